@@ -1,0 +1,1 @@
+"""The torch CPU backend: transformers' model classes over a paged KV cache."""

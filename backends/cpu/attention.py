@@ -1,0 +1,134 @@
+"""Paged attention for transformers' model classes, registered as an attention implementation.
+
+transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens
+of the step packed into one row. We write the new keys and values into the layer's block cache, then
+attend in two batched calls: decodes (one query token each) and prompt chunks (padded to the longest
+chunk). Query heads that share a KV head are folded into rows, so no head repeat is materialized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm import Batch
+
+ATTENTION_NAME = "pagedllm_cpu"
+
+
+class PagedAttentionMetadata:
+    """Per-step index tensors shared by all layers (built once per step from the Batch)."""
+
+    def __init__(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv_caches = kv_caches
+        bs = batch.block_size
+        self.block_size = bs
+        slots = torch.from_numpy(batch.slot_mapping)
+        self.slot_blocks = slots // bs
+        self.slot_offsets = slots % bs
+        self._masks: dict[tuple[str, int | None], torch.Tensor | None] = {}
+
+        nd = batch.num_decodes
+        self.num_decodes = nd
+        seq_lens = torch.from_numpy(batch.seq_lens).long()
+        table = torch.from_numpy(batch.block_table).long()
+        if nd:
+            self.dec_lens = seq_lens[:nd]
+            self.dec_num_blocks = -(-int(self.dec_lens.max()) // bs)
+            self.dec_blocks = table[:nd, :self.dec_num_blocks].reshape(-1)
+
+        num_prefills = batch.num_seqs - nd
+        self.num_prefills = num_prefills
+        if num_prefills:
+            q_start = torch.from_numpy(batch.query_start_loc).long()
+            q_lens = (q_start[nd + 1:] - q_start[nd:-1])
+            self.pre_q_lens = q_lens
+            self.pre_max_q = int(q_lens.max())
+            self.pre_past = torch.from_numpy(batch.num_computed[nd:]).long()
+            self.pre_lens = seq_lens[nd:]
+            self.pre_num_blocks = -(-int(self.pre_lens.max()) // bs)
+            self.pre_blocks = table[nd:, :self.pre_num_blocks].reshape(-1)
+            rows = torch.arange(self.pre_max_q)
+            valid = rows.unsqueeze(0) < q_lens.unsqueeze(1)  # [P, maxq]
+            self.pre_valid = valid
+            # Padded query slots read the chunk's first token (any real row works); dropped afterwards.
+            local = torch.where(valid, rows.unsqueeze(0), 0)
+            self.pre_gather = (q_start[nd:-1].unsqueeze(1) - q_start[nd] + local).reshape(-1)
+            self.pre_scatter = valid.reshape(-1).nonzero().squeeze(1)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
+        """[nd, 1, 1, S] bool, or None when every decode attends to all gathered slots."""
+        key = ("decode", window)
+        if key not in self._masks:
+            span = self.dec_num_blocks * self.block_size
+            keys = torch.arange(span).unsqueeze(0)
+            allowed = keys < self.dec_lens.unsqueeze(1)
+            if window is not None:
+                allowed &= keys > (self.dec_lens.unsqueeze(1) - 1 - window)
+            self._masks[key] = None if bool(allowed.all()) else allowed[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, window: int | None, groups: int) -> torch.Tensor:
+        """[P, 1, groups * maxq, S] bool: query row r of a chunk sees keys up to its own position."""
+        key = ("prefill", window, groups)
+        if key not in self._masks:
+            span = self.pre_num_blocks * self.block_size
+            keys = torch.arange(span).view(1, 1, span)
+            pos = (self.pre_past.unsqueeze(1) + torch.arange(self.pre_max_q).unsqueeze(0)).unsqueeze(2)
+            allowed = keys <= pos
+            if window is not None:
+                allowed &= keys > pos - window
+            # Padding rows see key 0 only, so their softmax stays finite; they are dropped anyway.
+            allowed |= (~self.pre_valid).unsqueeze(2) & (keys == 0)
+            allowed = allowed.unsqueeze(1).expand(-1, groups, -1, -1).reshape(self.num_prefills, 1, -1, span)
+            self._masks[key] = allowed
+        return self._masks[key]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, num_blocks: int) -> torch.Tensor:
+    """[num_seqs, H_kv, num_blocks * block_size, D] from a [N, H_kv, block_size, D] block cache."""
+    _, heads, bs, dim = cache.shape
+    picked = cache.index_select(0, blocks).view(num_seqs, num_blocks, heads, bs, dim)
+    return picked.transpose(1, 2).reshape(num_seqs, heads, num_blocks * bs, dim)
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] (after RoPE) -> ([1, T, Hq, D], None)."""
+    md: PagedAttentionMetadata = kwargs["paged_metadata"]
+    window = kwargs.get("sliding_window")
+    k_cache, v_cache = md.kv_caches[module.layer_idx]
+    _, num_heads, num_tokens, dim = query.shape
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+
+    k_cache[md.slot_blocks, :, md.slot_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[md.slot_blocks, :, md.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
+
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    out = torch.empty(num_tokens, num_heads, dim, dtype=query.dtype)
+    nd = md.num_decodes
+    if nd:
+        keys = _gather(k_cache, md.dec_blocks, nd, md.dec_num_blocks)
+        values = _gather(v_cache, md.dec_blocks, nd, md.dec_num_blocks)
+        qd = q[:nd].reshape(nd, num_kv_heads, groups, dim)
+        od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=md.decode_mask(window), scale=scaling)
+        out[:nd] = od.reshape(nd, num_heads, dim)
+    if md.num_prefills:
+        p, max_q = md.num_prefills, md.pre_max_q
+        keys = _gather(k_cache, md.pre_blocks, p, md.pre_num_blocks)
+        values = _gather(v_cache, md.pre_blocks, p, md.pre_num_blocks)
+        qp = q[nd:].index_select(0, md.pre_gather).view(p, max_q, num_kv_heads, groups, dim)
+        qp = qp.permute(0, 2, 3, 1, 4).reshape(p, num_kv_heads, groups * max_q, dim)
+        op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=md.prefill_mask(window, groups),
+                                            scale=scaling)
+        op = op.view(p, num_kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(p * max_q, num_heads, dim)
+        out[nd:] = op.index_select(0, md.pre_scatter)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

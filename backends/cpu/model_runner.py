@@ -1,0 +1,77 @@
+"""The worker: one model replica and its KV cache, executing batches.
+
+Kept behind this boundary so that tensor parallelism can put N of these (each with a shard of the
+weights and the cache) where the backend now has one, without touching the core.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm import Batch, ModelInfo
+from pagedllm.backends.cpu import attention
+from pagedllm.backends.cpu.architectures import check_supported
+
+logger = logging.getLogger("pagedllm.cpu")
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.model = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def load(self) -> ModelInfo:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        arch = check_supported(config)
+        attention.register()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
+        self.model.eval()
+        text = self.model.config.get_text_config()
+        num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        self.head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        self.num_layers = text.num_hidden_layers
+        return ModelInfo(
+            architecture=arch.model_type,
+            vocab_size=text.vocab_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            max_model_len=text.max_position_embeddings,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_size * element
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
+        shape = (num_blocks, self.num_kv_heads, block_size, self.head_size)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+                          for _ in range(self.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> torch.Tensor:
+        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches)
+        out = self.model(
+            input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
+            position_ids=torch.from_numpy(batch.positions).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=torch.from_numpy(batch.logits_indices),
+            paged_metadata=metadata,
+        )
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]

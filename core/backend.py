@@ -1,0 +1,85 @@
+"""The backend contract: what the core asks of a backend, and nothing more.
+
+A backend owns tensors, kernels, threads and processes; the core owns scheduling, memory accounting,
+tokenization, sampling and the API. Per step exactly one call crosses the line: ``execute(batch)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from pagedllm.batch import Batch
+from pagedllm.config import EngineConfig
+from pagedllm.model_source import ModelSource
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the core needs to know about a loaded model."""
+
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    max_model_len: int  # the model's own limit (max position embeddings)
+    dtype: str  # what the weights run in: "float32", "bfloat16", ...
+
+
+class Backend(abc.ABC):
+    #: Name users pass as ``--backend``.
+    name: ClassVar[str]
+    #: Block size when the user gives none.
+    default_block_size: ClassVar[int] = 16
+    #: Extra env var names this backend reads for engine settings, checked before ``PAGEDLLM_<NAME>``,
+    #: e.g. ``{"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")}``.
+    env_vars: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """(True, "") if the backend can run here, else (False, why not)."""
+        return True, ""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add options of the backend's own (optional)."""
+
+    def __init__(self, config: EngineConfig, model: ModelSource) -> None:
+        self.config = config
+        self.model = model
+
+    @abc.abstractmethod
+    def load_model(self) -> ModelInfo:
+        """Load weights (showing progress when slow) and describe the model."""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ConfigError if the backend cannot use ``block_size``."""
+
+    @abc.abstractmethod
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one block costs across all layers, keys and values (``config.block_size`` tokens)."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache for ``num_blocks`` blocks of ``config.block_size`` tokens."""
+
+    @abc.abstractmethod
+    def execute(self, batch: Batch) -> torch.Tensor | np.ndarray:
+        """Run one forward pass over the batch; return logits [len(batch.logits_indices), vocab]."""
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the KV contents of blocks ``src[i]`` into ``dst[i]`` (copy-on-write of shared blocks)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot copy KV blocks")
+
+    def describe(self) -> str:
+        """One line for the start-up log: what was chosen (dtype, threads, kernels)."""
+        return ""
+
+    def shutdown(self) -> None:
+        """Release threads, processes and memory."""

@@ -1,0 +1,283 @@
+"""The engine: requests in, one scheduled forward pass per step, outputs out.
+
+``step()`` is schedule → build batch → backend.execute → sample → update requests. Everything a
+backend sees per step is the ``Batch``; everything else (memory accounting, tokenization,
+sampling, stop conditions) happens here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from pagedllm.backend import Backend, ModelInfo
+from pagedllm.batch import BatchBuilder
+from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
+from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.errors import ConfigError, InvalidRequestError
+from pagedllm.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.logger import configure_logging
+from pagedllm.model_source import ModelSource, load_tokenizer, resolve_model
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.plugins.manager import get_backend_class
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.scheduler import Scheduler
+
+logger = logging.getLogger("pagedllm.engine")
+
+GiB = 1 << 30
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, backend: Backend, model_info: ModelInfo, source: ModelSource,
+                 tokenizer, num_blocks: int) -> None:
+        self.config = config
+        self.backend = backend
+        self.model_info = model_info
+        self.source = source
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_token_ids(tokenizer, source)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs | None = None) -> "LLMEngine":
+        configure_logging()
+        start = time.time()
+        args = args or EngineArgs()
+        backend_name = resolve_backend_name(args)
+        backend_cls = get_backend_class(backend_name)
+        config = resolve(args, backend_cls.env_vars)
+        config.backend = backend_name
+        source = resolve_model(config.model)
+        tokenizer = load_tokenizer(source)
+        backend = backend_cls(config, source)
+        try:
+            info = backend.load_model()
+            config.finalize(info.max_model_len, backend_cls.default_block_size)
+            backend.check_block_size(config.block_size)
+            num_blocks = _num_kv_blocks(config, backend.kv_cache_bytes_per_block())
+            backend.allocate_kv_cache(num_blocks)
+        except BaseException:
+            backend.shutdown()
+            raise
+        engine = cls(config, backend, info, source, tokenizer, num_blocks)
+        engine._log_start(time.time() - start)
+        return engine
+
+    def _log_start(self, seconds: float) -> None:
+        c, m = self.config, self.model_info
+        gib = self.num_blocks * self.backend.kv_cache_bytes_per_block() / GiB
+        src = c.sources.get("kv_cache_space", "default")
+        logger.info("model %s (%s, %s) from %s", self.source.name, m.architecture, self.source.kind, self.source.path)
+        logger.info("backend %s: dtype %s; %s", c.backend, m.dtype, self.backend.describe() or "-")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (kv_cache_space %.2f GiB from %s)",
+                    self.num_blocks, c.block_size, self.num_blocks * c.block_size, gib, c.kv_cache_space, src)
+        logger.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, chunked prefill %s, "
+                    "prefix caching %s; ready in %.1f s", c.max_model_len, c.max_num_seqs,
+                    c.max_num_batched_tokens, "on" if c.enable_chunked_prefill else "off",
+                    "on" if c.enable_prefix_caching else "off", seconds)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                                  param="prompt")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text, token_ids = self.tokenize(prompt)
+        self._check_request(token_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, token_ids, params, prompt=text, arrival_time=arrival_time,
+                          stop_ids=stop_ids, max_model_len=self.config.max_model_len)
+        if params.detokenize:
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output)
+        self.scheduler.add_request(request)
+        self.stats.prompt_tokens += len(token_ids)
+        return request_id
+
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        vocab = self.model_info.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(token_ids) > max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len {max_len}", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if params.n != 1:
+            raise InvalidRequestError("n > 1 is not supported yet", param="n")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(f"logprobs must be at most the vocabulary size {vocab}", param="logprobs")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            for request_id in sched.released_ids:
+                self.batch_builder.release(request_id)
+            return []
+        batch, order, sampling = self.batch_builder.build(sched)
+        logits = torch.as_tensor(self.backend.execute(batch))
+        self.scheduler.update_after_step(sched)
+        self.stats.on_step(self, sched.num_batched_tokens)
+        requests = [order[i].request for i in sampling]
+        sampled = self.sampler(logits, requests)
+        now = time.time()
+        outputs = []
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+            outputs.append(self._append_token(request, token_id, logprobs, now))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput:
+        params = request.params
+        request.append_token(token_id)
+        self.stats.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None:
+            sampled_lp, top_ids, top_lps = logprobs
+            entry = {token_id: sampled_lp, **dict(zip(top_ids, top_lps))}
+            request.logprobs.append(entry)
+            request.cumulative_logprob += sampled_lp
+
+        status = None
+        may_stop = request.num_output_tokens >= params.min_tokens
+        stopped_by_token = may_stop and token_id in request.stop_ids
+        if stopped_by_token:
+            status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None if token_id in self.eos_token_ids and token_id not in params.stop_token_ids \
+                else token_id
+        detok = request.detokenizer
+        if detok is not None and (not stopped_by_token or params.include_stop_str_in_output):
+            stop_str = detok.add_token(token_id)
+            if stop_str is not None and may_stop and status is None:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (
+                (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+                or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self.stats.on_finish(request)
+        return self._make_output(request, [token_id])
+
+    def _make_output(self, request: Request, delta_ids: list[int]) -> RequestOutput:
+        finished = request.status.finished
+        detok = request.detokenizer
+        text = detok.text if detok is not None else ""
+        delta_text = detok.take_delta(finished) if detok is not None else ""
+        logprobs = request.logprobs
+        completion = CompletionOutput(
+            index=0, text=text,
+            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason, delta_text=delta_text, delta_token_ids=delta_ids,
+            logprobs=logprobs, delta_logprobs=logprobs[-len(delta_ids):] if logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if logprobs is not None else None)
+        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                 request.finished_time)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             finished, metrics)
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class EngineStats:
+    """Counters for logs, benchmarks and metrics; updated in O(1) per step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.batched_tokens = 0
+        self.peak_blocks_used = 0
+        self.peak_waste = 0.0
+        self.finished_requests = 0
+
+    def on_step(self, engine: LLMEngine, num_batched_tokens: int) -> None:
+        self.steps += 1
+        self.batched_tokens += num_batched_tokens
+        used = engine.kv_manager.allocator.num_used
+        if used > self.peak_blocks_used:
+            self.peak_blocks_used = used
+            self.peak_waste = KVCacheManager.waste(engine.scheduler.running, engine.config.block_size)
+
+    def on_finish(self, request: Request) -> None:
+        self.finished_requests += 1
+
+
+def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    num_blocks = int(config.kv_cache_space * GiB) // bytes_per_block
+    needed = cdiv(config.max_model_len, config.block_size)
+    if num_blocks < needed:
+        need_gib = needed * bytes_per_block / GiB
+        src = config.sources.get("kv_cache_space", "default")
+        raise ConfigError(
+            f"the KV cache is too small: {config.kv_cache_space:g} GiB (from {src}) holds {num_blocks} blocks of "
+            f"{config.block_size} tokens ({bytes_per_block} bytes each), but one sequence of max_model_len "
+            f"{config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB). Raise --kv-cache-space to at "
+            f"least {need_gib:.3g} or lower --max-model-len")
+    return num_blocks
+
+
+def _eos_token_ids(tokenizer, source: ModelSource) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    folder = source.hf_dir or source.tokenizer_dir
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+    except Exception:
+        eos = None
+    if eos is not None:
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return frozenset(ids)

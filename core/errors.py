@@ -1,0 +1,35 @@
+"""Errors the core raises on purpose: each says what was wrong and what to change."""
+
+from pagedllm.plugins.manager import BackendNotFoundError
+
+
+class ConfigError(ValueError):
+    """An engine setting (flag, env var or argument) is invalid or conflicts with another."""
+
+
+class InvalidRequestError(ValueError):
+    """A request cannot be served as given (prompt too long, bad sampling parameter, ...).
+
+    ``param`` names the offending field, for the OpenAI error format.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(ValueError):
+    """The model path does not exist or is not a format pagedllm reads."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one this backend runs."""
+
+
+__all__ = [
+    "BackendNotFoundError",
+    "ConfigError",
+    "InvalidRequestError",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+]

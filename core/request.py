@@ -1,0 +1,76 @@
+"""A request's state as it moves through the engine: tokens, blocks, status, sampling state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """One sequence to generate. ``all_token_ids`` is prompt + output; KV state lives in ``block_ids``."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 stop_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.stop_ids = stop_ids  # EOS ids (unless ignore_eos) plus stop_token_ids
+        self.max_model_len = max_model_len
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        # KV cache state, owned by KVCacheManager.
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_preemptions = 0
+
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.detokenizer = None  # set by the engine when text is wanted
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

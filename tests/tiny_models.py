@@ -1,0 +1,95 @@
+"""Tiny random models and a tiny tokenizer, built locally (nothing comes from a model hub).
+
+Weights are drawn with a larger spread than usual so that logits are not flat: greedy choices then
+depend on the context, and a wrong attention shows up as different tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "Numbers like 12345 and 2026 appear in text, as do émigrés, naïve cafés and 😀 emojis.",
+    "def add(a, b):\n    return a + b\n",
+    "Continuous batching schedules decodes first, then prompt chunks, under a token budget.",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+VOCAB_SIZE = 384
+
+
+def build_tokenizer(out_dir: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|im_start|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.25, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, head_dim=16)
+    if arch == "mistral":
+        # A short window, so prompts + outputs here run past it.
+        return transformers.MistralConfig(**common, head_dim=16, sliding_window=48)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    raise ValueError(arch)
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def build_model(arch: str, out_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def kv_bytes_per_block(arch: str, block_size: int = 16, element_size: int = 4) -> int:
+    c = _config(arch)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * head_dim * element_size
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: transformers' own generate, one prompt at a time (no padding), float32, no EOS stop."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               do_sample=False)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
