@@ -14,19 +14,29 @@ from typing import Any, Mapping
 from pagedllm.errors import ConfigError
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "u8")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One engine setting: its type, default and help; the flag and env names derive from ``name``."""
+    """One engine setting: its type, default and help; the flag and env names derive from ``name``.
+
+    ``aliases`` maps other spellings users write (``ON``, ``bfloat16``) to the canonical value.
+    """
 
     name: str
     type: type
     default: Any
     help: str
     choices: tuple | None = None
+    aliases: dict | None = None
+
+    def normalize(self, value: Any) -> Any:
+        if self.aliases and isinstance(value, str):
+            return self.aliases.get(value.strip().lower(), value.strip().lower())
+        return value
 
     @property
     def flag(self) -> str:
@@ -52,6 +62,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("block_size", int, None, "tokens per KV block (default: the backend's)"),
     Setting("kv_cache_space", float, 4.0, "GiB of memory for the KV cache"),
     Setting("seed", int, 0, "seed for requests that give none"),
+    Setting("kv_cache_dtype", str, "auto", "KV cache element type; auto = the model's (backend default)",
+            KV_CACHE_DTYPES, aliases={"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "float16": "fp16",
+                                      "f16": "fp16"}),
+    Setting("quantize_weights", str, "none", "weight compression (int8: NNCF int8 on the openvino backend)",
+            ("none", "int8"), aliases={"on": "int8", "1": "int8", "true": "int8", "yes": "int8", "off": "none",
+                                       "0": "none", "false": "none", "no": "none"}),
+    Setting("cpu_omp_threads_bind", str, "auto",
+            "CPUs for the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7, "
+            "or 0-31|32-63 for two tensor-parallel ranks"),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -71,6 +90,9 @@ class EngineArgs:
     block_size: int | None = None
     kv_cache_space: float | None = None
     seed: int | None = None
+    kv_cache_dtype: str | None = None
+    quantize_weights: str | None = None
+    cpu_omp_threads_bind: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
@@ -78,14 +100,13 @@ class EngineArgs:
         for s in SETTINGS:
             if s.name == "model" and not include_model:
                 continue
-            help_text = f"{s.help} [env {s.env}"
+            help_text = s.help + (f" ({'|'.join(s.choices)})" if s.choices else "") + f" [env {s.env}"
             help_text += f"; default {s.default}]" if s.default is not None else "]"
             if s.type is bool:
                 group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
             else:
-                group.add_argument(s.flag, dest=s.name, type=s.type, default=None, choices=s.choices,
-                                   help=help_text)
+                group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=help_text)
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
@@ -109,6 +130,9 @@ class EngineConfig:
     block_size: int | None
     kv_cache_space: float
     seed: int
+    kv_cache_dtype: str
+    quantize_weights: str
+    cpu_omp_threads_bind: str
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "flag" / env name / "default"
 
     def finalize(self, model_max_len: int, default_block_size: int) -> None:
@@ -173,12 +197,12 @@ def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None 
     for s in SETTINGS:
         given = getattr(args, s.name)
         if given is not None:
-            values[s.name], sources[s.name] = given, "flag"
+            values[s.name], sources[s.name] = s.normalize(given), "flag"
             continue
         for env_name in (*backend_env.get(s.name, ()), s.env):
             raw = environ.get(env_name)
             if raw is not None and raw.strip() != "":
-                values[s.name], sources[s.name] = _parse_env(s, env_name, raw), env_name
+                values[s.name], sources[s.name] = s.normalize(_parse_env(s, env_name, raw)), env_name
                 break
         else:
             values[s.name], sources[s.name] = s.default, "default"
@@ -197,8 +221,9 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
         src = sources[name]
         return SETTINGS_BY_NAME[name].flag if src == "flag" else src
 
-    if values["dtype"] not in DTYPES:
-        raise ConfigError(f"{where('dtype')}: dtype {values['dtype']!r} is not one of {', '.join(DTYPES)}")
+    for s in SETTINGS:
+        if s.choices and values[s.name] not in s.choices:
+            raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")

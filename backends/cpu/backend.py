@@ -30,10 +30,19 @@ def choose_dtype(requested: str, native_bf16: bool) -> tuple[torch.dtype, str]:
 class CPUBackend(Backend):
     name = "cpu"
     default_block_size = 16
-    env_vars = {"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")}
+    env_vars = {
+        "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
+        "cpu_omp_threads_bind": ("VLLM_CPU_OMP_THREADS_BIND",),
+    }
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
+        if config.quantize_weights != "none":
+            raise ConfigError(f"the cpu backend has no {config.quantize_weights} weight compression; use "
+                              f"--backend openvino for it, or --quantize-weights none")
+        if config.kv_cache_dtype != "auto":
+            raise ConfigError(f"the cpu backend keeps its KV cache in the model dtype for now: "
+                              f"--kv-cache-dtype {config.kv_cache_dtype} is not available")
         self.dtype, self.dtype_reason = choose_dtype(config.dtype, has_native_bf16())
         self.runner: ModelRunner | None = None
 
