@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import ARCHITECTURES, VOCAB_SIZE, build_model  # noqa: E402
+from tiny_models import ALL_ARCHITECTURES, VOCAB_SIZE, build_model  # noqa: E402
 
 os.environ.setdefault("PAGEDLLM_LOGGING_LEVEL", "WARNING")
 
@@ -15,7 +15,7 @@ os.environ.setdefault("PAGEDLLM_LOGGING_LEVEL", "WARNING")
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: build_model(arch, root / arch) for arch in ARCHITECTURES}
+    return {arch: build_model(arch, root / arch) for arch in ALL_ARCHITECTURES}
 
 
 @pytest.fixture(scope="session")
