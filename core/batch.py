@@ -1,7 +1,8 @@
 """The one thing a backend receives per step: all scheduled tokens of all sequences, flattened.
 
-``BatchBuilder`` keeps each running request's block table in a persistent numpy row and appends only
-the blocks a step adds, so building a batch costs O(sequences + scheduled tokens), not O(context).
+``BatchBuilder`` keeps each running request's block table in a persistent numpy row and copies in only
+the blocks added since the request's last step, so building a batch costs O(sequences + scheduled
+tokens), not O(context).
 """
 
 from __future__ import annotations
@@ -96,10 +97,10 @@ class BatchBuilder:
                 row = self._free_rows.pop()
                 self._row_of[rid] = row
                 self._row_len[rid] = 0
-            if item.new_block_ids:
-                start = self._row_len[rid]
-                self._table[row, start:start + len(item.new_block_ids)] = item.new_block_ids
-                self._row_len[rid] = start + len(item.new_block_ids)
+            synced = self._row_len[rid]
+            if synced < len(request.block_ids):  # only the blocks added since the last step
+                self._table[row, synced:len(request.block_ids)] = request.block_ids[synced:]
+                self._row_len[rid] = len(request.block_ids)
             rows[i] = row
             start = request.num_computed_tokens
             end = start + item.num_new_tokens

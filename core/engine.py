@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from pagedllm.backend import Backend, ModelInfo
@@ -51,6 +52,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
         self._ids = itertools.count()
+        self._groups: dict[str, _Group] = {}
         self.stats = EngineStats()
 
     # -- construction --------------------------------------------------------------------------
@@ -110,20 +112,26 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
+        if request_id in self._groups or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, token_ids, params, prompt=text, arrival_time=arrival_time,
-                          stop_ids=stop_ids, max_model_len=self.config.max_model_len)
+        request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0)
+        self._groups[request_id] = _Group(params.n, [request])
+        self.scheduler.add_request(request)
+        self.stats.prompt_tokens += len(token_ids)
+        return request_id
+
+    def _new_sequence(self, seq_id: str, token_ids: list[int], params: SamplingParams, text: str | None,
+                      arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int) -> Request:
+        request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
+                          max_model_len=self.config.max_model_len, group_id=group_id, index=index)
         if params.detokenize:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output)
-        self.scheduler.add_request(request)
-        self.stats.prompt_tokens += len(token_ids)
-        return request_id
+        return request
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
@@ -135,28 +143,34 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than max_model_len {max_len}", param="prompt")
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if params.n != 1:
-            raise InvalidRequestError("n > 1 is not supported yet", param="n")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n ({params.n}) is more than max_num_seqs ({self.config.max_num_seqs})",
+                                      param="n")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequestError(f"logprobs must be at most the vocabulary size {vocab}", param="logprobs")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Stop requests now and free their KV blocks; unknown or finished ids are ignored."""
+        """Stop requests (all n sequences of each) now and free their KV blocks; unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            self.scheduler.abort(request_id)
+            group = self._groups.pop(request_id, None)
+            if group is not None:
+                for request in group.members:
+                    self.scheduler.abort(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return len(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one forward pass. Returns an output for every request that made progress; its
+        ``outputs`` hold the sequences that progressed in this step (cumulative, with their deltas)."""
         sched = self.scheduler.schedule()
         if sched.empty:
             for request_id in sched.released_ids:
@@ -167,14 +181,51 @@ class LLMEngine:
         self.scheduler.update_after_step(sched)
         self.stats.on_step(self, sched.num_batched_tokens)
         requests = [order[i].request for i in sampling]
+        if any(r.num_pending_forks for r in requests):
+            requests, rows = self._fork_groups(requests)
+            logits = logits[rows]
         sampled = self.sampler(logits, requests)
         now = time.time()
-        outputs = []
+        progressed: dict[str, list[CompletionOutput]] = {}
         for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
-            outputs.append(self._append_token(request, token_id, logprobs, now))
-        return outputs
+            completion = self._append_token(request, token_id, logprobs, now)
+            progressed.setdefault(request.group_id, []).append(completion)
+        return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
 
-    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> RequestOutput:
+    def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
+        """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings sharing
+        the prompt's blocks. They sample from the same logits row in this step."""
+        expanded: list[Request] = []
+        rows: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for row, request in enumerate(requests):
+            expanded.append(request)
+            rows.append(row)
+            if not request.num_pending_forks:
+                continue
+            group = self._groups[request.group_id]
+            for index in range(1, request.num_pending_forks + 1):
+                sibling = self._new_sequence(
+                    f"{request.group_id}:{index}", request.prompt_token_ids, request.params, request.prompt,
+                    request.arrival_time, request.stop_ids, request.group_id, index)
+                sibling.first_scheduled_time = request.first_scheduled_time
+                group.members.append(sibling)
+                copy = self.kv_manager.fork(request, sibling)
+                if copy is None:  # no block for its copy of the partial block: it recomputes its prompt
+                    self.scheduler.add_waiting_front(sibling)
+                    continue
+                self.scheduler.add_running(sibling)
+                if copy[0] >= 0:
+                    copies.append(copy)
+                expanded.append(sibling)
+                rows.append(row)
+            request.num_pending_forks = 0
+        if copies:
+            src, dst = zip(*copies)
+            self.backend.copy_blocks(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+        return expanded, rows
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> CompletionOutput:
         params = request.params
         request.append_token(token_id)
         self.stats.generation_tokens += 1
@@ -204,29 +255,49 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(request, status)
-            self.stats.on_finish(request)
-        return self._make_output(request, [token_id])
+            self._groups[request.group_id].unfinished -= 1
+        return self._completion(request, token_id)
 
-    def _make_output(self, request: Request, delta_ids: list[int]) -> RequestOutput:
+    @staticmethod
+    def _completion(request: Request, token_id: int) -> CompletionOutput:
         finished = request.status.finished
         detok = request.detokenizer
-        text = detok.text if detok is not None else ""
-        delta_text = detok.take_delta(finished) if detok is not None else ""
         logprobs = request.logprobs
-        completion = CompletionOutput(
-            index=0, text=text,
+        return CompletionOutput(
+            index=request.index,
+            text=detok.text if detok is not None else "",
             token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
             finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason, delta_text=delta_text, delta_token_ids=delta_ids,
-            logprobs=logprobs, delta_logprobs=logprobs[-len(delta_ids):] if logprobs else None,
+            stop_reason=request.stop_reason,
+            delta_text=detok.take_delta(finished) if detok is not None else "",
+            delta_token_ids=[token_id],
+            logprobs=logprobs,
+            delta_logprobs=logprobs[-1:] if logprobs else None,
             cumulative_logprob=request.cumulative_logprob if logprobs is not None else None)
-        metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                                 request.finished_time)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, metrics)
+
+    def _group_output(self, group_id: str, completions: list[CompletionOutput], now: float) -> RequestOutput:
+        group = self._groups[group_id]
+        first = group.members[0]
+        finished = group.unfinished == 0
+        if finished:
+            del self._groups[group_id]
+            self.stats.finished_requests += 1
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
+                                 min(m.first_token_time or now for m in group.members), now if finished else None)
+        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+class _Group:
+    """The n sequences of one request, and how many of them are still running."""
+
+    __slots__ = ("members", "unfinished")
+
+    def __init__(self, n: int, members: list[Request]) -> None:
+        self.members = members
+        self.unfinished = n
 
 
 class EngineStats:
@@ -248,9 +319,6 @@ class EngineStats:
         if used > self.peak_blocks_used:
             self.peak_blocks_used = used
             self.peak_waste = KVCacheManager.waste(engine.scheduler.running, engine.config.block_size)
-
-    def on_finish(self, request: Request) -> None:
-        self.finished_requests += 1
 
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:

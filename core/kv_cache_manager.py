@@ -68,6 +68,27 @@ class KVCacheManager:
             self.prefix_cache.insert(request.block_ids[i], hashes[i], parent, tokens[i * bs:(i + 1) * bs])
         request.num_cached_blocks = num_full
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give ``child`` the parent's computed KV: full blocks shared by reference, the partial last
+        block copied (it is about to be written by both). Returns the (source, destination) block pair
+        the backend must copy, (−1, −1) if there is no partial block, or None if no block is free."""
+        bs = self.block_size
+        num_full, partial = divmod(parent.num_computed_tokens, bs)
+        if partial and self.allocator.num_free == 0:
+            return None
+        shared = parent.block_ids[:num_full]
+        self.allocator.touch(shared)
+        child.block_ids = list(shared)
+        copy = (-1, -1)
+        if partial:
+            (new_block,) = self.allocator.allocate(1)
+            child.block_ids.append(new_block)
+            copy = (parent.block_ids[num_full], new_block)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        return copy
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; the tail goes first so shared prefixes outlive it in the LRU."""
         self.allocator.free(reversed(request.block_ids))

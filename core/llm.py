@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -69,11 +69,16 @@ class LLM:
             engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
+        latest: dict[str, dict[int, CompletionOutput]] = {i: {} for i in ids}  # per request: index -> newest
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    sequences = latest[output.request_id]
+                    for completion in output.outputs:
+                        sequences[completion.index] = completion
                     if output.finished:
+                        output.outputs = [sequences[i] for i in sorted(sequences)]
                         results[output.request_id] = output
                         bar.update(1)
         except BaseException:

@@ -27,8 +27,14 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, arrival_time: float | None = None,
-                 stop_ids: frozenset[int] = frozenset(), max_model_len: int | None = None) -> None:
+                 stop_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 group_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
+        # With n > 1, the n sequences are requests of one group; sequence 0 forks the others once its
+        # prompt is computed, so they share the prompt's KV blocks.
+        self.group_id = request_id if group_id is None else group_id
+        self.index = index
+        self.num_pending_forks = params.n - 1 if index == 0 else 0
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -50,7 +56,7 @@ class Request:
 
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
-            self.generator = torch.Generator().manual_seed(params.seed)
+            self.generator = torch.Generator().manual_seed(params.seed + index)
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -53,6 +53,17 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request that already holds its KV blocks (a sibling forked from a running request)."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def add_waiting_front(self, request: Request) -> None:
+        """Queue a request ahead of the others (a sibling that could not be forked: it recomputes)."""
+        self.requests[request.request_id] = request
+        self.waiting.appendleft(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -126,8 +137,10 @@ class Scheduler:
             scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
             budget -= num_new
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
+            if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
+                break  # its n - 1 siblings will join the running set too
             cached = self.kv.get_computed_blocks(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached_tokens
