@@ -57,18 +57,24 @@ def _config(arch: str):
         return transformers.MistralConfig(**common, head_dim=16, sliding_window=48)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, use_sliding_window=False)
+    if arch == "phi3":
+        return transformers.Phi3Config(**common, sliding_window=None)
+    if arch == "gemma":
+        return transformers.GemmaConfig(**common, head_dim=16)
     if arch == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                                        initializer_range=0.25, eos_token_id=0, bos_token_id=1)
     if arch == "opt":
         return transformers.OPTConfig(vocab_size=VOCAB_SIZE, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
-                                      init_std=0.25, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+                                      init_std=0.5, eos_token_id=0, bos_token_id=1, pad_token_id=0)
     raise ValueError(arch)
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # what the cpu backend runs
-ALL_ARCHITECTURES = ARCHITECTURES + ("gpt2", "opt")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2")  # what the cpu backend runs
+ALL_ARCHITECTURES = ARCHITECTURES
 
 
 def build_model(arch: str, out_dir: Path) -> Path:

@@ -23,6 +23,11 @@ SUPPORTED: dict[str, Architecture] = {
         Architecture("llama", "meta-llama/Llama-3.2-1B, HuggingFaceTB/SmolLM2-135M-Instruct"),
         Architecture("mistral", "mistralai/Mistral-7B-Instruct-v0.3"),
         Architecture("qwen2", "Qwen/Qwen2.5-0.5B-Instruct"),
+        Architecture("qwen3", "Qwen/Qwen3-0.6B"),
+        Architecture("phi3", "microsoft/Phi-3-mini-4k-instruct"),
+        Architecture("gemma", "google/gemma-2b-it"),
+        Architecture("opt", "facebook/opt-125m"),
+        Architecture("gpt2", "openai-community/gpt2"),
     )
 }
 
