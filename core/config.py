@@ -134,6 +134,7 @@ class EngineConfig:
     quantize_weights: str
     cpu_omp_threads_bind: str
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "flag" / env name / "default"
+    serving: bool = False  # set by the HTTP server: backends may leave a core free for it
 
     def finalize(self, model_max_len: int, default_block_size: int) -> None:
         """Fill what depends on the model and backend, then check the combination."""

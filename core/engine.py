@@ -22,6 +22,7 @@ from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import ConfigError, InvalidRequestError
 from pagedllm.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.logger import configure_logging
+from pagedllm.memory import available_memory_bytes
 from pagedllm.model_source import ModelSource, load_tokenizer, resolve_model
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.plugins.manager import get_backend_class
@@ -57,7 +58,7 @@ class LLMEngine:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_engine_args(cls, args: EngineArgs | None = None) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs | None = None, serving: bool = False) -> "LLMEngine":
         configure_logging()
         start = time.time()
         args = args or EngineArgs()
@@ -65,6 +66,7 @@ class LLMEngine:
         backend_cls = get_backend_class(backend_name)
         config = resolve(args, backend_cls.env_vars)
         config.backend = backend_name
+        config.serving = serving
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source)
         backend = backend_cls(config, source)
@@ -322,11 +324,25 @@ class EngineStats:
 
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Blocks for the KV cache space; the default never takes more than the memory left after the weights,
+    and an explicit size larger than that is refused (the OOM kill users meet otherwise)."""
+    src = config.sources.get("kv_cache_space", "default")
+    src = "--kv-cache-space" if src == "flag" else src
+    available = available_memory_bytes()
+    if available is not None:
+        usable_gib = 0.9 * available / GiB  # headroom for activations and the rest of the process
+        if config.kv_cache_space > usable_gib:
+            if src != "default":
+                raise ConfigError(
+                    f"the KV cache space {config.kv_cache_space:g} GiB (from {src}) is more than the "
+                    f"{usable_gib:.2f} GiB of memory available after loading the model; lower it")
+            logger.info("KV cache space: the default %g GiB is more than the %.2f GiB available: using %.2f GiB",
+                        config.kv_cache_space, usable_gib, usable_gib)
+            config.kv_cache_space = usable_gib
     num_blocks = int(config.kv_cache_space * GiB) // bytes_per_block
     needed = cdiv(config.max_model_len, config.block_size)
     if num_blocks < needed:
         need_gib = needed * bytes_per_block / GiB
-        src = config.sources.get("kv_cache_space", "default")
         raise ConfigError(
             f"the KV cache is too small: {config.kv_cache_space:g} GiB (from {src}) holds {num_blocks} blocks of "
             f"{config.block_size} tokens ({bytes_per_block} bytes each), but one sequence of max_model_len "

@@ -122,3 +122,9 @@ def test_unknown_backend_and_missing_model(tiny_llama):
         LLM(str(tiny_llama), backend="gpu")
     with pytest.raises(ModelNotFoundError, match="not found"):
         LLM("/no/such/model")
+
+
+def test_kv_cache_space_beyond_free_memory_names_both_numbers(tiny_llama):
+    with pytest.raises(ConfigError, match=r"KV cache space 100000 GiB \(from --kv-cache-space\) is more than the "
+                                          r"[0-9.]+ GiB of memory available"):
+        LLM(str(tiny_llama), kv_cache_space=100000)

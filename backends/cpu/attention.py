@@ -19,7 +19,7 @@ ATTENTION_NAME = "pagedllm_cpu"
 class PagedAttentionMetadata:
     """Per-step index tensors shared by all layers (built once per step from the Batch)."""
 
-    def __init__(self, batch: Batch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, batch: Batch, kv_caches: list[tuple]) -> None:
         self.kv_caches = kv_caches
         bs = batch.block_size
         self.block_size = bs
@@ -85,13 +85,6 @@ class PagedAttentionMetadata:
         return self._masks[key]
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, num_blocks: int) -> torch.Tensor:
-    """[num_seqs, H_kv, num_blocks * block_size, D] from a [N, H_kv, block_size, D] block cache."""
-    _, heads, bs, dim = cache.shape
-    picked = cache.index_select(0, blocks).view(num_seqs, num_blocks, heads, bs, dim)
-    return picked.transpose(1, 2).reshape(num_seqs, heads, num_blocks * bs, dim)
-
-
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
@@ -102,23 +95,24 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     _, num_heads, num_tokens, dim = query.shape
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
+    dtype = query.dtype
 
-    k_cache[md.slot_blocks, :, md.slot_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[md.slot_blocks, :, md.slot_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
+    k_cache.write(key[0].transpose(0, 1), md.slot_blocks, md.slot_offsets)
+    v_cache.write(value[0].transpose(0, 1), md.slot_blocks, md.slot_offsets)
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
-    out = torch.empty(num_tokens, num_heads, dim, dtype=query.dtype)
+    out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)
     nd = md.num_decodes
     if nd:
-        keys = _gather(k_cache, md.dec_blocks, nd, md.dec_num_blocks)
-        values = _gather(v_cache, md.dec_blocks, nd, md.dec_num_blocks)
+        keys = k_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
+        values = v_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         qd = q[:nd].reshape(nd, num_kv_heads, groups, dim)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=md.decode_mask(window), scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, dim)
     if md.num_prefills:
         p, max_q = md.num_prefills, md.pre_max_q
-        keys = _gather(k_cache, md.pre_blocks, p, md.pre_num_blocks)
-        values = _gather(v_cache, md.pre_blocks, p, md.pre_num_blocks)
+        keys = k_cache.gather(md.pre_blocks, p, md.pre_num_blocks, dtype)
+        values = v_cache.gather(md.pre_blocks, p, md.pre_num_blocks, dtype)
         qp = q[nd:].index_select(0, md.pre_gather).view(p, max_q, num_kv_heads, groups, dim)
         qp = qp.permute(0, 2, 3, 1, 4).reshape(p, num_kv_heads, groups * max_q, dim)
         op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=md.prefill_mask(window, groups),

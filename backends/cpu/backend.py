@@ -9,7 +9,11 @@ import torch
 
 from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
 from pagedllm.backends.cpu.cpu_features import has_native_bf16
+from pagedllm.backends.cpu.ipex import ipex_status
 from pagedllm.backends.cpu.model_runner import ModelRunner
+from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
+from pagedllm.backends.cpu.threads import ThreadBinder
+from pagedllm.cpu_binding import plan_threads
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -27,11 +31,24 @@ def choose_dtype(requested: str, native_bf16: bool) -> tuple[torch.dtype, str]:
     return torch.float32, "auto: float32, the CPU lacks AVX512_BF16/AMX"
 
 
+def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype, str]:
+    """(kind, dtype, description) of the KV cache for --kv-cache-dtype."""
+    if requested == "u8":
+        return "u8", torch.uint8, "u8 with a float32 scale and minimum per token and head"
+    if requested == "fp32":
+        return "plain", torch.float32, "float32"
+    if requested in ("bf16", "fp16"):
+        note = " (fp16 asked: run as bfloat16)" if requested == "fp16" else ""
+        return "plain", torch.bfloat16, "bfloat16" + note
+    return "plain", model_dtype, str(model_dtype).removeprefix("torch.") + " (the model's)"
+
+
 class CPUBackend(Backend):
     name = "cpu"
     default_block_size = 16
     env_vars = {
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
+        "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
         "cpu_omp_threads_bind": ("VLLM_CPU_OMP_THREADS_BIND",),
     }
 
@@ -40,10 +57,9 @@ class CPUBackend(Backend):
         if config.quantize_weights != "none":
             raise ConfigError(f"the cpu backend has no {config.quantize_weights} weight compression; use "
                               f"--backend openvino for it, or --quantize-weights none")
-        if config.kv_cache_dtype != "auto":
-            raise ConfigError(f"the cpu backend keeps its KV cache in the model dtype for now: "
-                              f"--kv-cache-dtype {config.kv_cache_dtype} is not available")
         self.dtype, self.dtype_reason = choose_dtype(config.dtype, has_native_bf16())
+        self.cache_kind, self.cache_dtype, self.cache_reason = choose_kv_cache(config.kv_cache_dtype, self.dtype)
+        self.thread_plan = plan_threads(config.cpu_omp_threads_bind, reserve_for_server=config.serving)
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> ModelInfo:
@@ -51,9 +67,14 @@ class CPUBackend(Backend):
             raise ConfigError(
                 f"{self.model.path} is an OpenVINO export; run it with --backend openvino, or give the cpu "
                 f"backend a Hugging Face folder or a GGUF file")
-        logger.info("dtype: %s", self.dtype_reason)
-        self.runner = ModelRunner(str(self.model.hf_dir), self.dtype)
-        return self.runner.load()
+        logger.info("dtype: %s; KV cache: %s", self.dtype_reason, self.cache_reason)
+        logger.info("threads: %s", self.thread_plan.describe())
+        for warning in self.thread_plan.warnings:
+            logger.warning("%s", warning)
+        logger.info("%s", tcmalloc_status())
+        self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
+                                  ThreadBinder(self.thread_plan))
+        return self.runner.call(self.runner.load)
 
     def check_block_size(self, block_size: int) -> None:
         if block_size > 1024:
@@ -63,16 +84,20 @@ class CPUBackend(Backend):
         return self.runner.kv_cache_bytes_per_block(self.config.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
+        self.runner.call(self.runner.allocate_kv_cache, num_blocks, self.config.block_size)
 
     def execute(self, batch: Batch) -> torch.Tensor:
-        return self.runner.execute(batch)
+        return self.runner.call(self.runner.execute, batch)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.runner.copy_blocks(torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long))
+        self.runner.call(self.runner.copy_blocks, torch.as_tensor(src, dtype=torch.long),
+                         torch.as_tensor(dst, dtype=torch.long))
 
     def describe(self) -> str:
-        return f"{torch.get_num_threads()} torch threads, pure torch paged attention"
+        return (f"KV cache {self.cache_reason}; {self.thread_plan.describe()}; pure torch paged attention "
+                f"(IPEX: {ipex_status()})")
 
     def shutdown(self) -> None:
-        self.runner = None
+        if self.runner is not None:
+            self.runner.shutdown()
+            self.runner = None

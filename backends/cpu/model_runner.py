@@ -7,22 +7,39 @@ weights and the cache) where the backend now has one, without touching the core.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from pagedllm import Batch, ModelInfo
-from pagedllm.backends.cpu import attention
+from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
+from pagedllm.backends.cpu.threads import ThreadBinder
 
 logger = logging.getLogger("pagedllm.cpu")
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+    """Runs everything on one worker thread of its own, whose OpenMP threads are pinned to the plan's
+    CPUs; callers (the engine loop, on any thread) hand work over and wait."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
+                 binder: ThreadBinder) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
+        self.cache_kind = cache_kind  # "plain" or "u8"
+        self.cache_dtype = cache_dtype
         self.model = None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple] = []
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-cpu-worker",
+                                          initializer=binder.bind_current_thread)
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the worker thread."""
+        return self._worker.submit(fn, *args).result()
+
+    def shutdown(self) -> None:
+        self._worker.shutdown(wait=True)
 
     def load(self) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -49,13 +66,12 @@ class ModelRunner:
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_size * element
+        return kv_cache.bytes_per_block(self.cache_kind, self.num_layers, self.num_kv_heads, block_size,
+                                        self.head_size, self.cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
-        shape = (num_blocks, self.num_kv_heads, block_size, self.head_size)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+        self.kv_caches = [kv_cache.make_layer_caches(self.cache_kind, num_blocks, self.num_kv_heads, block_size,
+                                                     self.head_size, self.cache_dtype)
                           for _ in range(self.num_layers)]
 
     @torch.inference_mode()
@@ -72,6 +88,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for keys, values in self.kv_caches:
+            keys.copy_blocks(src, dst)
+            values.copy_blocks(src, dst)

@@ -1,0 +1,150 @@
+"""Which CPUs the inference threads run on: ``VLLM_CPU_OMP_THREADS_BIND`` parsed and planned.
+
+``auto`` takes one CPU per physical core (hyperthread siblings skipped) among the CPUs this process
+may use (its affinity mask, e.g. a container's cpuset), read from the kernel's sysfs topology. An
+explicit list (``0-29``, ``0,2,4-7``) is used as given; ``nobind`` pins nothing. ``a-b|c-d`` names one
+CPU set per tensor-parallel rank. Backends apply the plan (torch threads, OpenVINO properties).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from pagedllm.errors import ConfigError
+
+SYSFS = Path("/sys/devices/system")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> [0, 1, 2, 3, 8, 10, 11] (sorted, no duplicates)."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        start, end = int(first), int(last) if last else int(first)
+        if end < start or start < 0:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(start, end + 1))
+    if not cpus:
+        raise ValueError("empty CPU list")
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    ranges: list[str] = []
+    for cpu in sorted(cpus):
+        if ranges and int(ranges[-1].rsplit("-", 1)[-1]) == cpu - 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    siblings: dict[int, tuple[int, ...]]  # cpu -> the CPUs sharing its physical core (itself included)
+    node_of: dict[int, int]  # cpu -> NUMA node
+
+    @classmethod
+    def read(cls, root: Path = SYSFS) -> "Topology":
+        siblings: dict[int, tuple[int, ...]] = {}
+        online = _read(root / "cpu" / "online")
+        cpus = parse_cpu_list(online) if online else sorted(os.sched_getaffinity(0))
+        for cpu in cpus:
+            text = _read(root / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
+            siblings[cpu] = tuple(parse_cpu_list(text)) if text else (cpu,)
+        node_of: dict[int, int] = {}
+        for node_dir in sorted((root / "node").glob("node[0-9]*")):
+            text = _read(node_dir / "cpulist")
+            if text:
+                for cpu in parse_cpu_list(text):
+                    node_of[cpu] = int(node_dir.name[4:])
+        return cls(siblings, node_of)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadPlan:
+    cpus: list[int] | None  # CPUs to pin the inference threads to, one each; None: no pinning
+    num_threads: int
+    numa_nodes: list[int]
+    hyperthreads_skipped: bool
+    spec: str
+    warnings: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        where = "not pinned (nobind)" if self.cpus is None else f"bound to CPUs {format_cpu_list(self.cpus)}"
+        nodes = ",".join(map(str, self.numa_nodes)) or "?"
+        ht = "; hyperthread siblings skipped" if self.hyperthreads_skipped else ""
+        return f"{self.num_threads} threads {where} (NUMA node {nodes}{ht}; {self.spec!r})"
+
+
+def plan_threads(spec: str, *, reserve_for_server: bool = False, topology: Topology | None = None,
+                 allowed: set[int] | None = None) -> ThreadPlan:
+    """Turn a ``VLLM_CPU_OMP_THREADS_BIND`` value into the CPUs to use.
+
+    ``reserve_for_server`` keeps one core free for the HTTP server when ``auto`` has more than two.
+    """
+    spec = (spec or "auto").strip()
+    topology = topology or Topology.read()
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    allowed &= set(topology.siblings) or allowed
+
+    if "|" in spec:
+        ranks = spec.split("|")
+        raise ConfigError(
+            f"CPU binding {spec!r} names {len(ranks)} tensor-parallel ranks, but pagedllm runs one rank (tensor "
+            f"parallelism is not available yet): give one CPU list, e.g. {ranks[0].strip()!r}, or 'auto'")
+    if spec == "nobind":
+        return ThreadPlan(None, len(allowed), _nodes(topology, allowed), False, spec)
+    if spec == "auto":
+        cpus, skipped = _one_per_core(topology, allowed)
+        if reserve_for_server and len(cpus) > 2:
+            cpus = cpus[:-1]
+        plan_cpus = cpus
+    else:
+        try:
+            plan_cpus = parse_cpu_list(spec)
+        except ValueError as exc:
+            raise ConfigError(f"CPU binding {spec!r} is not valid ({exc}): use 'auto', 'nobind', a range such as "
+                              f"'0-29' or a list such as '0,2,4-7'") from None
+        outside = [c for c in plan_cpus if c not in allowed]
+        if outside:
+            raise ConfigError(f"CPU binding {spec!r} names CPUs {format_cpu_list(outside)} that this process may "
+                              f"not use; available: {format_cpu_list(sorted(allowed))}")
+        skipped = False
+    nodes = _nodes(topology, plan_cpus)
+    warnings = ()
+    if len(nodes) > 1:
+        warnings = (f"the bound CPUs span NUMA nodes {','.join(map(str, nodes))}: memory traffic crosses nodes; "
+                    f"bind to the CPUs of one node for speed",)
+    return ThreadPlan(plan_cpus, len(plan_cpus), nodes, skipped, spec, warnings)
+
+
+def _one_per_core(topology: Topology, allowed: set[int]) -> tuple[list[int], bool]:
+    chosen: list[int] = []
+    seen_cores: set[tuple[int, ...]] = set()
+    skipped = False
+    for cpu in sorted(allowed):
+        core = topology.siblings.get(cpu, (cpu,))
+        if core in seen_cores:
+            skipped = True
+            continue
+        seen_cores.add(core)
+        chosen.append(cpu)
+    return chosen, skipped
+
+
+def _nodes(topology: Topology, cpus) -> list[int]:
+    return sorted({topology.node_of[c] for c in cpus if c in topology.node_of})

@@ -1,0 +1,37 @@
+"""How much memory this process can still use: the kernel's MemAvailable, capped by a cgroup limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or the v1 equivalent."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < (1 << 60):
+            return max(0, int(limit) - usage)
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes that can still be allocated (None if unknown). Called after the weights are loaded, so
+    it is the machine's free memory minus the weights."""
+    values = [v for v in (_meminfo_available(), _cgroup_headroom()) if v is not None]
+    return min(values) if values else None

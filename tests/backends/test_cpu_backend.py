@@ -1,0 +1,104 @@
+"""cpu backend settings: dtype choice, KV cache dtypes, logs of what was chosen."""
+
+import logging
+
+import pytest
+import torch
+
+from tiny_models import kv_bytes_per_block
+from pagedllm import LLM, ConfigError, SamplingParams
+from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
+from pagedllm.backends.cpu.cpu_features import has_native_bf16
+from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
+
+
+def test_dtype_choice():
+    assert choose_dtype("auto", native_bf16=True)[0] == torch.bfloat16
+    assert choose_dtype("auto", native_bf16=False)[0] == torch.float32
+    dtype, why = choose_dtype("float16", native_bf16=True)
+    assert dtype == torch.bfloat16 and "runs it as bfloat16" in why
+    assert choose_dtype("float32", native_bf16=True)[0] == torch.float32
+
+
+def test_native_bf16_is_read_from_cpu_flags():
+    assert has_native_bf16(frozenset({"avx512f", "avx512_bf16"}))
+    assert has_native_bf16(frozenset({"amx_bf16"}))
+    assert not has_native_bf16(frozenset({"avx2", "avx512f"}))
+
+
+def test_kv_cache_choice():
+    assert choose_kv_cache("auto", torch.float32)[:2] == ("plain", torch.float32)
+    assert choose_kv_cache("bf16", torch.float32)[:2] == ("plain", torch.bfloat16)
+    kind, dtype, why = choose_kv_cache("fp16", torch.float32)
+    assert dtype == torch.bfloat16 and "run as bfloat16" in why
+    assert choose_kv_cache("u8", torch.bfloat16)[0] == "u8"
+
+
+def test_tcmalloc_status_says_what_to_do():
+    status = tcmalloc_status()
+    assert "preloaded" in status or "LD_PRELOAD=" in status
+
+
+@pytest.fixture()
+def pagedllm_logs(caplog):
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(caplog.handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(old)
+
+
+def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
+    LLM(str(tiny_llama), dtype="float16", kv_cache_space=0.01, max_model_len=128, cpu_omp_threads_bind="auto")
+    text = pagedllm_logs.text
+    assert "float16 asked: the cpu backend runs it as bfloat16" in text
+    assert "threads bound to CPUs" in text and "NUMA node" in text
+    assert "TCMalloc" in text and "IPEX" in text
+    assert "KV cache:" in text and "blocks of 16 tokens" in text
+
+
+@pytest.mark.parametrize("kv_dtype, element", [("fp32", 4), ("bf16", 2)])
+def test_kv_cache_dtype_sets_the_block_cost(tiny_llama, kv_dtype, element):
+    space = 40 * kv_bytes_per_block("llama", element_size=element) / 2**30
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_space=space, max_model_len=128)
+    assert llm.engine.num_blocks == 40
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 8
+
+
+def test_u8_kv_cache_on_a_tiny_model_mostly_agrees(tiny_llama):
+    """Greedy with a u8 cache stays close to float32 on the tiny model (SmolLM2 figures: test_cpu_precision)."""
+    prompts = [[5 + i, 9, 33, 71, 100 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01,
+                                    max_model_len=128).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype="u8", kv_cache_space=0.01, max_model_len=128)
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
+    assert same >= 0.5 * 16 * len(prompts)
+
+
+def test_the_tensor_parallel_binding_is_refused_clearly(tiny_llama):
+    with pytest.raises(ConfigError, match="tensor-parallel ranks"):
+        LLM(str(tiny_llama), cpu_omp_threads_bind="0|1", kv_cache_space=0.01, max_model_len=128)
+
+
+def test_weight_compression_is_refused_by_the_cpu_backend(tiny_llama):
+    with pytest.raises(ConfigError, match="no int8 weight compression"):
+        LLM(str(tiny_llama), quantize_weights="int8", kv_cache_space=0.01, max_model_len=128)
+
+
+def test_an_unsupported_architecture_is_named(tmp_path):
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    from tiny_models import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    from pagedllm import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'falcon' \(FalconForCausalLM\); supported: gemma,"):
+        LLM(str(tmp_path), kv_cache_space=0.01)
