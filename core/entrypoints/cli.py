@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, backends."""
+"""The ``pagedllm`` command: generate, serve, backends."""
 
 from __future__ import annotations
 
@@ -69,6 +69,23 @@ def _stream_one(llm, prompt, params) -> None:
     sys.stdout.write("\n")
 
 
+def _add_serve(sub) -> None:
+    from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, "
+                                   "/metrics) until SIGTERM or Ctrl-C.")
+    add_serve_args(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
 def _add_backends(sub) -> None:
     p = sub.add_parser("backends", help="list backends and whether they can run here")
     p.set_defaults(func=_run_backends)
@@ -93,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_serve(sub)
     _add_backends(sub)
     return parser
 

@@ -1,0 +1,130 @@
+"""``pagedllm serve``: the OpenAI-compatible FastAPI app over an ``AsyncLLMEngine``, run by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedllm import __version__
+from pagedllm.async_engine import AsyncLLMEngine
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.openai.chat import create_chat_completion
+from pagedllm.entrypoints.openai.cli_args import ServerConfig
+from pagedllm.entrypoints.openai.completions import create_completion
+from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.prompts import PromptBuilder
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest)
+from pagedllm.entrypoints.openai.serving import ServingContext
+from pagedllm.model_source import load_tokenizer
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    source, engine_config = engine.engine.source, engine.engine.config
+    model_names = config.served_model_names or [source.name]
+    prompts = PromptBuilder(load_tokenizer(source), engine_config.max_model_len, engine.engine.model_info.vocab_size,
+                            config.chat_template)
+    ctx = ServingContext(engine, prompts, model_names, config.max_log_len)
+    metrics = ServerMetrics(engine, model_names[0])
+    engine.on_step = metrics.observe
+    started = int(time.time())
+
+    app = FastAPI(title="pagedllm", version=__version__)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_size)
+    if config.api_key:  # added last: runs first
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            raise engine.dead
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "pagedllm", "root": str(source.path),
+             "parent": None, "max_model_len": engine_config.max_model_len} for name in model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(body, request, ctx)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            prompt = prompts.encode(body.prompt, add_special_tokens=add_special)
+        else:
+            prompt = prompts.chat_prompt(body.messages, body, add_special_tokens=bool(body.add_special_tokens))
+        token_ids = prompt["prompt_token_ids"]
+        return JSONResponse({"count": len(token_ids), "max_model_len": engine_config.max_model_len,
+                             "tokens": token_ids})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        ctx.check_model(body.model)
+        vocab = engine.engine.model_info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": prompts.tokenizer.decode(body.tokens)})
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    config = ServerConfig.from_cli_args(args)  # checked before the model loads
+    engine = AsyncLLMEngine(EngineArgs.from_cli_args(args))
+    try:
+        app = build_app(engine, config)
+        log_level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                               timeout_graceful_shutdown=config.shutdown_timeout))
+        _exit_zero_after_graceful_stop()
+        names = ", ".join(config.served_model_names or [engine.engine.source.name])
+        logger.info("serving %s at http://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes)",
+                    names, config.host, config.port, "required" if config.api_key else "off",
+                    config.max_request_size)
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1
+
+
+def _exit_zero_after_graceful_stop() -> None:
+    """uvicorn re-raises the SIGTERM/SIGINT that stopped it once it has shut down gracefully; under the default
+    actions that would kill the process (status 143) or raise KeyboardInterrupt. Handlers that log instead make a
+    graceful stop exit 0."""
+    def stopped(signum, frame) -> None:
+        logger.info("stopped by %s", signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)

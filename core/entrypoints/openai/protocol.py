@@ -1,0 +1,181 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their mapping to ``SamplingParams``.
+
+Types are checked strictly (a string is not a number). Fields pagedllm does not implement (tools, response_format,
+...) are refused by name unless null or their no-op value, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.sampling_params import SamplingParams
+
+# Fields a client may send with a value that asks for nothing: accepted and ignored.
+_NO_OP_VALUES: dict[str, list[Any]] = {
+    "response_format": [{"type": "text"}],
+    "tool_choice": ["none"],
+    "tools": [[]],
+    "functions": [[]],
+    "best_of": [1],
+}
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None  # informational
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+
+    def check_supported(self, endpoint: str) -> None:
+        unsupported = [name for name, value in (self.model_extra or {}).items()
+                       if value is not None and value not in _NO_OP_VALUES.get(name, [])]
+        if unsupported:
+            raise OpenAIError(400, f"unsupported field(s) for {endpoint}: {', '.join(unsupported)}; pagedllm does "
+                                   f"not implement them, remove them from the request", param=unsupported[0])
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options can only be given with stream=true", param="stream_options")
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ``InvalidRequestError`` naming the field for a value out of range."""
+        def given(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            n=self.num_choices, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
+            top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+            min_tokens=given(self.min_tokens, 0), stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=given(self.include_stop_str_in_output, False),
+            ignore_eos=given(self.ignore_eos, False), presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True))
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise OpenAIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias") from None
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise OpenAIError(400, f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                                  param="logit_bias")
+            bias[token_id] = value
+        return bias
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+
+    def check_supported(self, endpoint: str) -> None:
+        super().check_supported(endpoint)
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(400, "echo together with logprobs needs prompt logprobs, which pagedllm does not "
+                                   "compute; drop echo or logprobs", param="echo")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message; extra keys (name, tool_call_id, ...) are handed to the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's fields that steer the chat template (chat completions and /tokenize with messages)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins when both are given
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+    def check_supported(self, endpoint: str) -> None:
+        super().check_supported(endpoint)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]

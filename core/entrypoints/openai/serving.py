@@ -1,0 +1,116 @@
+"""What the completions and chat endpoints share: model check, starting requests, SSE, usage, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.prompts import PromptBuilder
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    prompts: PromptBuilder
+    model_names: list[str]
+    max_log_len: int | None = None
+
+    def check_model(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise OpenAIError(404, f"the model {requested!r} does not exist; this server serves "
+                                   f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+        return requested
+
+    async def start(self, kind: str, prompts: list[dict], params: SamplingParams) -> tuple[str, OutputStream]:
+        """Queue one engine request per prompt (all or none); ``InvalidRequestError`` if the engine refuses one."""
+        response_id = f"{kind}-{uuid.uuid4().hex}"
+        self._log(response_id, prompts, params)
+        stream = await self.engine.add([(f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)])
+        return response_id, stream
+
+    def _log(self, response_id: str, prompts: list[dict], params: SamplingParams) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        limit = self.max_log_len
+        for i, prompt in enumerate(prompts):
+            text, ids = prompt["prompt"], prompt["prompt_token_ids"]
+            logger.info("request %s-%d: %d prompt tokens, %s, prompt %r, token ids %s", response_id, i, len(ids),
+                        params, text[:limit] if limit is not None else text, ids[:limit] if limit is not None else ids)
+
+
+def prompt_index(request_id: str) -> int:
+    """Which prompt of the response an engine request id ('<response id>-<i>') belongs to."""
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def created() -> int:
+    return int(time.time())
+
+
+async def sse_events(events: AsyncIterator[dict], stream: OutputStream) -> AsyncIterator[str]:
+    """Server-sent events of ``events``, then ``[DONE]``; an engine failure mid-stream is sent as an error event."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except EngineDeadError as exc:
+        yield sse(error_body(503, str(exc)))
+    finally:
+        stream.abort()
+    yield SSE_DONE
+
+
+def streaming_response(events: AsyncIterator[dict], stream: OutputStream) -> StreamingResponse:
+    # The background abort also covers a client gone before the first event (the generator never ran).
+    return StreamingResponse(sse_events(events, stream), media_type="text/event-stream",
+                             background=BackgroundTask(stream.abort))
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], stream: OutputStream) -> T | Response:
+    """Run ``work``; if the client disconnects first, cancel it and abort its requests (their blocks are freed)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            stream.abort()
+    if task in done:
+        return task.result()
+    logger.info("client disconnected: aborted %s", ", ".join(stream.request_ids))
+    return Response(status_code=499)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
