@@ -93,35 +93,48 @@ def unregister_plugin(name: str) -> None:
     state.packages.pop(name, None)
 
 
-def list_backends() -> list[BackendInfo]:
-    """Every registered backend with its availability, plus plugins that failed to load."""
+def _registered_classes() -> list[tuple[type, str]]:
+    """(backend class, plugin name) for every registered backend, without checking availability."""
     state = _state()
-    infos: dict[str, BackendInfo] = {}
+    found = []
     for impl in state.pm.hook.register_backends.get_hookimpls():
         plugin_name = state.pm.get_name(impl.plugin) or "?"
         registered: list[type] = []
         impl.function(register=registered.append)
-        for cls in registered:
-            try:
-                ok, reason = cls.is_available()
-            except Exception as exc:
-                ok, reason = False, f"availability check failed: {exc}"
-            infos[cls.name] = BackendInfo(
-                name=cls.name,
-                cls=cls,
-                plugin=plugin_name,
-                package=state.packages.get(plugin_name, "?"),
-                available=bool(ok),
-                reason="" if ok else reason,
-            )
-    for ep_name, (package, error) in state.load_errors.items():
+        found.extend((cls, plugin_name) for cls in registered)
+    return found
+
+
+def _info(cls: type, plugin_name: str) -> BackendInfo:
+    try:
+        ok, reason = cls.is_available()
+    except Exception as exc:
+        ok, reason = False, f"availability check failed: {exc}"
+    return BackendInfo(name=cls.name, cls=cls, plugin=plugin_name,
+                       package=_state().packages.get(plugin_name, "?"), available=bool(ok),
+                       reason="" if ok else reason)
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend with its availability, plus plugins that failed to load."""
+    infos = {cls.name: _info(cls, plugin) for cls, plugin in _registered_classes()}
+    for ep_name, (package, error) in _state().load_errors.items():
         if ep_name not in infos:
             infos[ep_name] = BackendInfo(ep_name, None, ep_name, package, False, f"plugin failed to load: {error}")
     return sorted(infos.values(), key=lambda info: info.name)
 
 
 def get_backend_class(name: str) -> type:
-    """The backend class called ``name``, or an error naming what exists and what to install."""
+    """The backend class called ``name``, or an error naming what exists and what to install.
+
+    Only the chosen backend's availability is checked: probing the others may load their runtimes.
+    """
+    for cls, plugin in _registered_classes():
+        if cls.name == name:
+            info = _info(cls, plugin)
+            if info.available:
+                return cls
+            break
     infos = {info.name: info for info in list_backends()}
     info = infos.get(name)
     if info is None:

@@ -4,6 +4,7 @@ transformers calls ``paged_attention(module, query, key, value, ...)`` in every 
 of the step packed into one row. We write the new keys and values into the layer's block cache, then
 attend in two batched calls: decodes (one query token each) and prompt chunks (padded to the longest
 chunk). Query heads that share a KV head are folded into rows, so no head repeat is materialized.
+Decodes use the C++ kernel (kernels.py) when it is built: it reads the blocks in place instead of gathering.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ ATTENTION_NAME = "pagedllm_cpu"
 class PagedAttentionMetadata:
     """Per-step index tensors shared by all layers (built once per step from the Batch)."""
 
-    def __init__(self, batch: Batch, kv_caches: list[tuple]) -> None:
+    def __init__(self, batch: Batch, kv_caches: list[tuple], kernels=None) -> None:
         self.kv_caches = kv_caches
+        self.kernels = kernels  # the C++ decode kernel module, or None for the pure torch path
         bs = batch.block_size
         self.block_size = bs
         slots = torch.from_numpy(batch.slot_mapping)
@@ -35,7 +37,8 @@ class PagedAttentionMetadata:
         if nd:
             self.dec_lens = seq_lens[:nd]
             self.dec_num_blocks = -(-int(self.dec_lens.max()) // bs)
-            self.dec_blocks = table[:nd, :self.dec_num_blocks].reshape(-1)
+            self.dec_table = table[:nd, :self.dec_num_blocks].contiguous()
+            self.dec_blocks = self.dec_table.reshape(-1)
 
         num_prefills = batch.num_seqs - nd
         self.num_prefills = num_prefills
@@ -103,7 +106,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)
     nd = md.num_decodes
-    if nd:
+    if nd and md.kernels is not None:
+        md.kernels.paged_decode_attention(
+            out[:nd], q[:nd], k_cache.data, v_cache.data, getattr(k_cache, "scale", None),
+            getattr(k_cache, "minimum", None), getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None),
+            md.dec_table, md.dec_lens, dim ** -0.5 if scaling is None else scaling, window or -1)
+    elif nd:
         keys = k_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         values = v_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         qd = q[:nd].reshape(nd, num_kv_heads, groups, dim)

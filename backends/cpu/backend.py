@@ -10,6 +10,7 @@ import torch
 from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
 from pagedllm.backends.cpu.cpu_features import has_native_bf16
 from pagedllm.backends.cpu.ipex import ipex_status
+from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
 from pagedllm.backends.cpu.model_runner import ModelRunner
 from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
 from pagedllm.backends.cpu.threads import ThreadBinder
@@ -72,8 +73,10 @@ class CPUBackend(Backend):
         for warning in self.thread_plan.warnings:
             logger.warning("%s", warning)
         logger.info("%s", tcmalloc_status())
+        kernels, self.attention_path = load_kernels(attention_mode())
+        logger.info("attention: %s", self.attention_path)
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
-                                  ThreadBinder(self.thread_plan))
+                                  ThreadBinder(self.thread_plan), kernels)
         return self.runner.call(self.runner.load)
 
     def check_block_size(self, block_size: int) -> None:
@@ -94,7 +97,7 @@ class CPUBackend(Backend):
                          torch.as_tensor(dst, dtype=torch.long))
 
     def describe(self) -> str:
-        return (f"KV cache {self.cache_reason}; {self.thread_plan.describe()}; pure torch paged attention "
+        return (f"KV cache {self.cache_reason}; {self.thread_plan.describe()}; attention: {self.attention_path} "
                 f"(IPEX: {ipex_status()})")
 
     def shutdown(self) -> None:

@@ -6,7 +6,17 @@ Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's p
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from calloc: the kernel hands out zero pages on first touch, so a large cache costs no start-up
+    time and no resident memory until blocks are used (torch.zeros would write every byte now)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class BlockCache:
@@ -14,7 +24,7 @@ class BlockCache:
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
-        self.data = torch.zeros(num_blocks, heads, block_size, head_size, dtype=dtype)
+        self.data = lazy_zeros((num_blocks, heads, block_size, head_size), dtype)
 
     @staticmethod
     def bytes_per_token_head(head_size: int, dtype: torch.dtype) -> int:
@@ -37,9 +47,9 @@ class QuantizedBlockCache:
     """u8 values with a float32 scale and minimum per token and head: x ~ q * scale + minimum."""
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int) -> None:
-        self.data = torch.zeros(num_blocks, heads, block_size, head_size, dtype=torch.uint8)
-        self.scale = torch.zeros(num_blocks, heads, block_size, 1, dtype=torch.float32)
-        self.minimum = torch.zeros(num_blocks, heads, block_size, 1, dtype=torch.float32)
+        self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)
+        self.scale = lazy_zeros((num_blocks, heads, block_size, 1), torch.float32)
+        self.minimum = lazy_zeros((num_blocks, heads, block_size, 1), torch.float32)
 
     @staticmethod
     def bytes_per_token_head(head_size: int, dtype: torch.dtype | None = None) -> int:

@@ -24,13 +24,14 @@ class ModelRunner:
     CPUs; callers (the engine loop, on any thread) hand work over and wait."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
-                 binder: ThreadBinder) -> None:
+                 binder: ThreadBinder, kernels=None) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
         self.cache_dtype = cache_dtype
         self.model = None
         self.kv_caches: list[tuple] = []
+        self.kernels = kernels
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-cpu-worker",
                                           initializer=binder.bind_current_thread)
 
@@ -76,7 +77,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
-        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches)
+        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels)
         out = self.model(
             input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
             position_ids=torch.from_numpy(batch.positions).unsqueeze(0),

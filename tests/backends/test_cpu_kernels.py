@@ -1,0 +1,62 @@
+"""The C++ paged decode kernel against plain torch math on the same cache contents."""
+
+import pytest
+import torch
+
+from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache
+
+kernels, _ = load_kernels("auto")
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernel could not be built here")
+
+BS, HKV, GROUPS, D = 16, 3, 3, 64
+
+
+def reference(q, keys, values, lens, scale, window):
+    """q [B, Hq, D]; keys/values [B, Hkv, S, D] (already dequantized) -> [B, Hq, D]."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    for b, n in enumerate(lens):
+        first = max(0, n - window) if window > 0 else 0
+        k = keys[b, :, first:n].float().repeat_interleave(GROUPS, 0)
+        v = values[b, :, first:n].float().repeat_interleave(GROUPS, 0)
+        w = torch.softmax((q[b].float().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
+        out[b] = (w.unsqueeze(1) @ v).squeeze(1)
+    return out
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                          (torch.float32, "u8"), (torch.bfloat16, "u8")])
+@pytest.mark.parametrize("window", [-1, 20])
+def test_kernel_matches_torch(dtype, cache, window):
+    torch.manual_seed(0)
+    lens = [1, 15, 16, 17, 40, 77]
+    num_blocks = 64
+    caches = []
+    for _ in range(2):
+        if cache == "u8":
+            caches.append(QuantizedBlockCache(num_blocks, HKV, BS, D))
+        else:
+            caches.append(BlockCache(num_blocks, HKV, BS, D, torch.float32 if cache == "fp32" else torch.bfloat16))
+    width = max(-(-n // BS) for n in lens)
+    perm = torch.randperm(num_blocks)
+    table = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // BS)
+        table[b, :nb] = perm[used:used + nb]
+        used += nb
+        slots = torch.arange(n)
+        for c in caches:
+            c.write(torch.randn(n, HKV, D), table[b, slots // BS], slots % BS)
+    q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
+    keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
+    values = caches[1].gather(table.reshape(-1), len(lens), width, torch.float32)
+    scale = D ** -0.5
+    expected = reference(q, keys, values, lens, scale, window)
+    out = torch.empty_like(q)
+    k, v = caches
+    kernels.paged_decode_attention(out, q, k.data, v.data, getattr(k, "scale", None), getattr(k, "minimum", None),
+                                   getattr(v, "scale", None), getattr(v, "minimum", None), table,
+                                   torch.tensor(lens), scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
