@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, serve, backends."""
+"""The ``pagedllm`` command: generate, serve, bench, backends."""
 
 from __future__ import annotations
 
@@ -86,6 +86,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _add_bench(sub) -> None:
+    from pagedllm.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
+
 def _add_backends(sub) -> None:
     p = sub.add_parser("backends", help="list backends and whether they can run here")
     p.set_defaults(func=_run_backends)
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
     _add_serve(sub)
+    _add_bench(sub)
     _add_backends(sub)
     return parser
 
@@ -126,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from pagedllm.bench.serving import ServerError
+    from pagedllm.bench.workload import WorkloadError
     from pagedllm.errors import (BackendNotFoundError, ConfigError, InvalidRequestError, ModelNotFoundError,
                                  UnsupportedModelError)
 
     try:
         return args.func(args)
     except (BackendNotFoundError, ConfigError, InvalidRequestError, ModelNotFoundError,
-            UnsupportedModelError) as exc:
+            UnsupportedModelError, ServerError, WorkloadError) as exc:
         print(f"pagedllm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,314 @@
+"""pagedllm beside vLLM CPU 0.32.0 and plain transformers ``generate``, on the same token ids, in one run.
+
+W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
+tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. Each case runs in a process of
+its own (so start-up is measured from cold), the engines alternating within each round; the summary takes the
+median over rounds and prints the ratios pagedllm / vLLM and pagedllm / transformers.
+
+vLLM lives in its own virtual environment (made on first use, cached: see vllm_cpu_env.py) and reads the model
+as a Hugging Face folder: by default the one pagedllm converts SmolLM2-135M-Instruct's GGUF into. If vLLM cannot
+be set up or run here, the harness says why and still runs pagedllm and transformers.
+
+    python benchmarks/compare_vllm.py                 # W1 and W2, one round
+    python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
+    python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import vllm_cpu_env
+
+HERE = Path(__file__).resolve().parent
+THREADS_BIND = "0-1"
+KV_CACHE_SPACE = "4"
+
+# name -> (num_prompts, input_len, output_len, prefix_len)
+WORKLOADS = {"W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512)}
+SMOKE_WORKLOADS = {"W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    workload: str  # W1 / W2
+    engine: str  # pagedllm / vllm / transformers
+    prefix_caching: bool | None  # None: the engine has none (transformers)
+
+    @property
+    def label(self) -> str:
+        caching = "" if self.prefix_caching is None else f", prefix caching {'on' if self.prefix_caching else 'off'}"
+        return f"{self.workload} {self.engine}{caching}"
+
+    @property
+    def slug(self) -> str:
+        caching = "" if self.prefix_caching is None else ("-pc" if self.prefix_caching else "-nopc")
+        return f"{self.workload}-{self.engine}{caching}"
+
+
+def cases_for(workload: str, engines: list[str]) -> list[Case]:
+    """W1 without prefix caching (random prompts share nothing); W2 with and without, on each engine."""
+    modes = [False] if WORKLOADS[workload][3] == 0 else [True, False]
+    out = []
+    for engine in engines:
+        if engine == "transformers":
+            out.append(Case(workload, engine, None))
+        else:
+            out.extend(Case(workload, engine, mode) for mode in modes)
+    return out
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace, work_dir: Path, hf_dir: Path) -> None:
+        self.args = args
+        self.work_dir = work_dir
+        self.hf_dir = hf_dir
+        self.dtype = args.dtype
+        self.vllm_unavailable: str | None = None
+        self.venv = args.vllm_venv
+        self.tcmalloc: str | None = None
+        self.results: dict[Case, list[dict]] = {}
+        self.failures: dict[Case, str] = {}
+
+    # -- vLLM ---------------------------------------------------------------------------------------------
+    def prepare_vllm(self) -> None:
+        flags = vllm_cpu_env.cpu_flags()
+        print("CPU: " + ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in (
+            ("AVX2", "avx2"), ("AVX512F", "avx512f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16"))),
+            flush=True)
+        log_path = self.work_dir / "vllm-setup.log"
+        if vllm_cpu_env.setup_record(self.venv) is None:
+            print(f"setting up vLLM CPU {vllm_cpu_env.VLLM_VERSION} in {self.venv} (about 4 minutes and 3.4 GB "
+                  f"the first time; log: {log_path})", flush=True)
+        try:
+            with open(log_path, "a") as log:
+                self.tcmalloc = vllm_cpu_env.ensure_tcmalloc(log)
+                record = vllm_cpu_env.ensure_venv(self.venv, log)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            self.vllm_unavailable = f"the setup failed ({exc}); see {log_path}"
+            return
+        print(f"vLLM venv ready: {self.venv} (its setup took {record['setup_seconds']:.0f} s)", flush=True)
+        reason = vllm_cpu_env.probe_vllm(self.venv, self.vllm_env())
+        if reason:
+            self.vllm_unavailable = f"`import vllm` fails in {self.venv}: {reason}"
+
+    def vllm_env(self) -> dict[str, str]:
+        return vllm_cpu_env.vllm_environ(self.venv, THREADS_BIND, KV_CACHE_SPACE, self.tcmalloc)
+
+    # -- one case -----------------------------------------------------------------------------------------
+    def command(self, case: Case, workload_path: Path, out: Path) -> tuple[list[str], dict[str, str]]:
+        common = ["--model", str(self.hf_dir), "--workload", str(workload_path), "--output-json", str(out),
+                  "--dtype", self.dtype]
+        caching = ["--enable-prefix-caching" if case.prefix_caching else "--no-enable-prefix-caching"]
+        if case.engine == "vllm":
+            return [str(vllm_cpu_env.venv_python(self.venv)), str(HERE / "vllm_offline.py"), *common, *caching], \
+                self.vllm_env()
+        env = dict(os.environ)  # LD_PRELOAD of tcmalloc, if wanted for these too, comes from the caller
+        if case.engine == "pagedllm":
+            env.update(VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE)
+            return [sys.executable, "-m", "pagedllm.bench", "throughput", *common, *caching,
+                    *shlex.split(self.args.pagedllm_args)], env
+        return [sys.executable, str(HERE / "transformers_baseline.py"), *common], env
+
+    def run(self, case: Case, workload_path: Path, round_index: int) -> None:
+        if case.engine == "vllm" and self.vllm_unavailable:
+            return
+        out = self.work_dir / f"{case.slug}-run{round_index}.json"
+        log_path = out.with_suffix(".log")
+        cmd, env = self.command(case, workload_path, out)
+        print(f"[round {round_index}] {case.label} ... ", end="", flush=True)
+        start = time.time()
+        with open(log_path, "w") as log:
+            try:
+                proc = subprocess.run(cmd, check=False, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=self.args.timeout)
+                returncode = proc.returncode
+            except subprocess.TimeoutExpired:
+                returncode = None
+        if returncode == 0 and out.is_file():
+            result = json.loads(out.read_text())
+            self.results.setdefault(case, []).append(result)
+            if case.engine == "pagedllm" and self.dtype == "auto":
+                self.dtype = result["engine"]["dtype"]  # the others run in the dtype pagedllm chose
+            print(f"{result['output_tokens_per_second']:.1f} output tok/s, {result['requests_per_second']:.2f} "
+                  f"req/s, start-up {result['startup_seconds']:.1f} s ({time.time() - start:.0f} s)", flush=True)
+            return
+        tail = log_path.read_text(errors="replace")
+        reason = (f"no result within {self.args.timeout:.0f} s" if returncode is None
+                  else vllm_cpu_env.describe_failure(returncode, tail))
+        self.failures[case] = f"{reason}\n(full log: {log_path})"
+        print(f"FAILED: {reason.splitlines()[0]} (log: {log_path})", flush=True)
+        if case.engine == "vllm":
+            self.vllm_unavailable = f"its run failed: {reason}"
+        if case.engine == "pagedllm":
+            raise SystemExit(f"pagedllm failed on {case.label}:\n{reason}\n(log: {log_path})")
+
+
+# -- summary --------------------------------------------------------------------------------------------------
+def _median(results: list[dict] | None, key: str) -> float | None:
+    values = [r[key] for r in results or [] if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(a: float | None, b: float | None, higher_is_better: bool = True) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{(a / b if higher_is_better else b / a):.2f}x"
+
+
+def summarize(h: Harness, workloads: list[str]) -> dict:
+    def med(workload: str, engine: str, caching: bool | None, key: str) -> float | None:
+        return _median(h.results.get(Case(workload, engine, caching)), key)
+
+    rows = []
+    for workload in workloads:
+        modes = [None] if workload == "W1" else [True, False]
+        for caching in modes:
+            on = caching if caching is not None else False
+            key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
+            unit = "output tok/s" if workload == "W1" else "req/s"
+            label = f"{workload} {unit}" + ("" if caching is None else f", prefix caching {'on' if on else 'off'}")
+            ours, vllm = med(workload, "pagedllm", on, key), med(workload, "vllm", on, key)
+            hf = med(workload, "transformers", None, key)
+            rows.append({"metric": label, "pagedllm": ours, "vllm": vllm, "transformers": hf,
+                         "format": ".1f" if workload == "W1" else ".2f"})
+        ours_start = med(workload, "pagedllm", workload == "W2", "startup_seconds")
+        vllm_start = med(workload, "vllm", workload == "W2", "startup_seconds")
+        rows.append({"metric": f"{workload} start-up s", "pagedllm": ours_start, "vllm": vllm_start,
+                     "transformers": med(workload, "transformers", None, "startup_seconds"), "format": ".1f",
+                     "lower_is_better": True})
+
+    print("\n" + "=" * 110)
+    print(f"{'':38}{'pagedllm':>11}{'vLLM CPU':>11}{'transformers':>14}{'pagedllm/vLLM':>16}"
+          f"{'pagedllm/transformers':>24}")
+    for row in rows:
+        better = not row.get("lower_is_better")
+        spec = row["format"]
+        print(f"{row['metric']:<38}{_fmt(row['pagedllm'], spec):>11}{_fmt(row['vllm'], spec):>11}"
+              f"{_fmt(row['transformers'], spec):>14}"
+              f"{_ratio(row['pagedllm'], row['vllm'], better):>16}"
+              f"{_ratio(row['pagedllm'], row['transformers'], better):>24}")
+    notes = []
+    if "W2" in workloads:
+        for engine, name in (("pagedllm", "pagedllm"), ("vllm", "vLLM")):
+            on = med("W2", engine, True, "requests_per_second")
+            off = med("W2", engine, False, "requests_per_second")
+            hit = med("W2", engine, True, "prefix_cache_hit_rate")
+            if on is not None and off is not None:
+                notes.append(f"W2 {name}: prefix caching on/off {_ratio(on, off)}, hit rate "
+                             f"{_fmt(None if hit is None else 100 * hit)}%")
+    for workload in workloads:
+        waste = med(workload, "pagedllm", workload == "W2", "kv_waste_at_peak")
+        blocks = med(workload, "pagedllm", workload == "W2", "peak_kv_blocks")
+        preempt = med(workload, "pagedllm", workload == "W2", "num_preemptions")
+        notes.append(f"{workload} pagedllm: KV waste at peak {_fmt(None if waste is None else 100 * waste, '.2f')}%, "
+                     f"peak KV blocks {_fmt(blocks, '.0f')}, preemptions {_fmt(preempt, '.0f')}")
+    for note in notes:
+        print(note)
+    print("ratios say how many times better pagedllm is: throughput pagedllm/other, start-up other/pagedllm")
+    rounds = max((len(v) for v in h.results.values()), default=0)
+    print(f"dtype {h.dtype}; median of {rounds} round(s); VLLM_CPU_OMP_THREADS_BIND={THREADS_BIND}, "
+          f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_SPACE}")
+    if h.args.skip_vllm:
+        print("vLLM CPU: skipped (--skip-vllm)")
+    elif h.vllm_unavailable:
+        print(f"vLLM CPU is UNAVAILABLE on this machine, so it has no numbers: {h.vllm_unavailable}")
+    for case, reason in h.failures.items():
+        print(f"failed: {case.label}: {reason}")
+    print("=" * 110)
+    return {"rows": rows, "notes": notes, "dtype": h.dtype, "rounds": rounds, "vllm_unavailable": h.vllm_unavailable,
+            "failures": {c.label: r for c, r in h.failures.items()},
+            "results": {c.slug: r for c, r in h.results.items()}}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct); vLLM and "
+                                        "transformers get its Hugging Face folder")
+    parser.add_argument("--workloads", default="W1,W2", help="which workloads, comma-separated (default W1,W2)")
+    parser.add_argument("--runs", type=int, default=1, help="rounds; the summary takes the median (default 1)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="8 requests with short prompts and outputs per workload: proves the harness works, the "
+                             "numbers mean nothing")
+    parser.add_argument("--dtype", default="auto",
+                        help="dtype for all engines; auto = what pagedllm's auto picks here (default)")
+    parser.add_argument("--pagedllm-args", default="", help="extra flags for pagedllm, e.g. '--backend openvino'")
+    parser.add_argument("--skip-vllm", action="store_true", help="run only pagedllm and transformers")
+    parser.add_argument("--skip-transformers", action="store_true", help="leave out the transformers baseline")
+    parser.add_argument("--vllm-venv", type=Path, default=None,
+                        help="vLLM's virtual environment (default: $PAGEDLLM_VLLM_VENV or "
+                             "~/.cache/pagedllm/vllm-cpu-venv); made on first use")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one case may take (default 3600)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="where workloads, per-case JSON and logs go (default: a new folder under "
+                             "~/.cache/pagedllm/bench)")
+    parser.add_argument("--output-json", type=Path, default=None, help="summary JSON (default: WORK_DIR/summary.json)")
+    args = parser.parse_args()
+    args.vllm_venv = args.vllm_venv or vllm_cpu_env.default_venv_dir()
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        parser.error(f"--workloads: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = names
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from pagedllm.bench.workload import random_workload
+    from pagedllm.model_source import cache_dir, load_tokenizer, resolve_model
+
+    work_dir = args.work_dir or cache_dir() / "bench" / time.strftime("compare-%Y%m%d-%H%M%S")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(args.model)
+    print(f"model {source.name}: Hugging Face folder {source.hf_dir}; results in {work_dir}", flush=True)
+    tokenizer = load_tokenizer(source)
+    shapes = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    paths = {}
+    for name in args.workloads:
+        n, input_len, output_len, prefix_len = shapes[name]
+        workload = random_workload(tokenizer, source.name, n, input_len, output_len, seed=0, prefix_len=prefix_len)
+        paths[name] = work_dir / f"{name}.workload.json"
+        workload.save(paths[name])
+        print(f"{name}: {workload.name} -> {paths[name]}", flush=True)
+
+    harness = Harness(args, work_dir, source.hf_dir)
+    engines = ["pagedllm"]
+    if not args.skip_vllm:
+        harness.prepare_vllm()
+        engines.append("vllm")
+        if harness.vllm_unavailable:
+            print(f"vLLM CPU is unavailable: {harness.vllm_unavailable}\nrunning without it", flush=True)
+    if not args.skip_transformers:
+        engines.append("transformers")
+
+    for round_index in range(1, args.runs + 1):
+        for name in args.workloads:
+            for case in cases_for(name, engines):
+                harness.run(case, paths[name], round_index)
+    summary = summarize(harness, args.workloads)
+    summary.update({"smoke": args.smoke, "model": source.name, "hf_dir": str(source.hf_dir),
+                    "workloads": {name: shapes[name] for name in args.workloads}})
+    out = args.output_json or work_dir / "summary.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"summary: {out}")
+
+
+if __name__ == "__main__":
+    main()

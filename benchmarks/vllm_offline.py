@@ -1,0 +1,74 @@
+"""Offline throughput of vLLM on a pagedllm workload file; runs inside vLLM's own venv (no pagedllm there).
+
+The requests go in as token ids (``TokensPrompt``), greedy with EOS ignored, exactly as ``pagedllm bench
+throughput --workload`` runs them, and the results JSON uses the same field names.
+
+    python vllm_offline.py --model HF_FOLDER --workload W.json --output-json out.json [--enable-prefix-caching]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--workload", required=True, help="pagedllm workload file (pagedllm bench --save-workload)")
+    parser.add_argument("--output-json", required=True)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    workload = json.loads(Path(args.workload).read_text())
+    requests = workload["requests"]
+    start = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching,
+              seed=args.seed, disable_log_stats=False)
+    startup = time.perf_counter() - start
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    queries = counters.get("vllm:prefix_cache_queries")
+    hits = counters.get("vllm:prefix_cache_hits")
+    import vllm
+
+    results = {
+        "workload": workload["name"],
+        "num_requests": len(outputs),
+        "elapsed_time": elapsed,
+        "total_prompt_tokens": num_prompt,
+        "total_output_tokens": num_output,
+        "total_num_tokens": num_prompt + num_output,
+        "requests_per_second": len(outputs) / elapsed,
+        "tokens_per_second": (num_prompt + num_output) / elapsed,
+        "output_tokens_per_second": num_output / elapsed,
+        "startup_seconds": startup,
+        "prefix_cache_queried_tokens": queries,
+        "prefix_cache_hit_tokens": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "num_preemptions": counters.get("vllm:num_preemptions"),
+        "engine": {"name": "vllm", "version": vllm.__version__, "model": args.model,
+                   "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+                   "enable_prefix_caching": args.enable_prefix_caching},
+    }
+    Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"vLLM {vllm.__version__}: {results['requests_per_second']:.2f} requests/s, "
+          f"{results['output_tokens_per_second']:.1f} output tokens/s; start-up {startup:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Offline throughput: start an engine, run a whole workload through it at once, report rates and KV numbers.
+
+Greedy, EOS ignored, so every request produces exactly its output length and two engines do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from pagedllm.bench.report import print_report, write_json
+from pagedllm.bench.workload import Workload, WorkloadError, add_workload_args, workload_from_args
+from pagedllm.config import EngineArgs
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
+    parser.add_argument("--output-json", metavar="PATH", help="write the results as JSON")
+    EngineArgs.add_cli_args(parser)
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    workload = Workload.load(args.workload) if args.workload else None  # a bad file fails before the start-up
+    engine_args = EngineArgs.from_cli_args(args)
+    start = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    startup = time.perf_counter() - start
+    engine = llm.engine
+    try:
+        workload = workload or workload_from_args(args, engine.tokenizer, engine.source.name, engine.config.seed)
+        if args.save_workload:
+            workload.save(args.save_workload)
+        if workload.max_len > engine.config.max_model_len:
+            raise WorkloadError(f"the workload has a request of {workload.max_len} tokens (prompt + output), more "
+                                f"than max_model_len {engine.config.max_model_len}; shorten it or raise "
+                                f"--max-model-len")
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+                  for r in workload.requests]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    results = _results(engine, workload, outputs, elapsed, startup)
+    print_report("pagedllm throughput", _report_lines(results))
+    if args.output_json:
+        write_json(args.output_json, results)
+    return results
+
+
+def _results(engine, workload: Workload, outputs, elapsed: float, startup: float) -> dict:
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cache = engine.kv_manager.prefix_cache
+    config = engine.config
+    return {
+        "workload": workload.name,
+        "num_requests": len(outputs),
+        "elapsed_time": elapsed,
+        "total_prompt_tokens": num_prompt,
+        "total_output_tokens": num_output,
+        "total_num_tokens": num_prompt + num_output,
+        "requests_per_second": len(outputs) / elapsed,
+        "tokens_per_second": (num_prompt + num_output) / elapsed,
+        "output_tokens_per_second": num_output / elapsed,
+        "startup_seconds": startup,
+        "kv_blocks_total": engine.num_blocks,
+        "kv_block_size": config.block_size,
+        "peak_kv_blocks": engine.stats.peak_blocks_used,
+        "kv_waste_at_peak": engine.stats.peak_waste,
+        "prefix_cache_queried_tokens": cache.queries if cache is not None else None,
+        "prefix_cache_hit_tokens": cache.hits if cache is not None else None,
+        "prefix_cache_hit_rate": cache.hits / cache.queries if cache is not None and cache.queries else None,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_steps": engine.stats.steps,
+        "engine": {"model": engine.source.name, "backend": config.backend, "dtype": engine.model_info.dtype,
+                   "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
+                   "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "enable_chunked_prefill": config.enable_chunked_prefill,
+                   "enable_prefix_caching": config.enable_prefix_caching, "kv_cache_space": config.kv_cache_space},
+    }
+
+
+def _report_lines(r: dict) -> list[tuple[str, str]]:
+    e = r["engine"]
+    hit_rate = r["prefix_cache_hit_rate"]
+    return [
+        ("workload", r["workload"]),
+        ("engine", f"{e['model']} on {e['backend']}, {e['dtype']}, prefix caching "
+                   f"{'on' if e['enable_prefix_caching'] else 'off'}, chunked prefill "
+                   f"{'on' if e['enable_chunked_prefill'] else 'off'}"),
+        ("requests", f"{r['num_requests']} ({r['total_prompt_tokens']} prompt + {r['total_output_tokens']} output "
+                     f"tokens) in {r['elapsed_time']:.2f} s"),
+        ("throughput", f"{r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total tokens/s, "
+                       f"{r['output_tokens_per_second']:.1f} output tokens/s"),
+        ("start-up (load to ready)", f"{r['startup_seconds']:.1f} s"),
+        ("peak KV blocks", f"{r['peak_kv_blocks']} of {r['kv_blocks_total']} ({r['kv_block_size']} tokens each)"),
+        ("KV waste at peak", f"{100 * r['kv_waste_at_peak']:.2f}% of allocated slots"),
+        ("prefix cache hit rate", "off" if r["prefix_cache_queried_tokens"] is None else
+         f"{100 * (hit_rate or 0):.1f}% ({r['prefix_cache_hit_tokens']} of {r['prefix_cache_queried_tokens']} "
+         f"prompt tokens)"),
+        ("preemptions", str(r["num_preemptions"])),
+    ]
