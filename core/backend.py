@@ -40,6 +40,9 @@ class Backend(abc.ABC):
     #: Extra env var names this backend reads for engine settings, checked before ``PAGEDLLM_<NAME>``,
     #: e.g. ``{"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")}``.
     env_vars: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: True if a forward pass writes every scheduled token's keys and values before any attention reads the
+    #: cache: then requests admitted in the same step can share blocks another of them is computing.
+    writes_kv_before_attention: ClassVar[bool] = False
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:

@@ -46,7 +46,8 @@ class LLMEngine:
         self.source = source
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         cache_on_allocate=backend.writes_kv_before_attention)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)

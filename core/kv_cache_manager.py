@@ -13,8 +13,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 cache_on_allocate: bool = False) -> None:
+        """``cache_on_allocate``: publish a step's full blocks when they are allocated, so requests admitted
+        later in the same step already share them. Only for backends that write every token's keys and values
+        before any attention reads them within a forward pass."""
         self.block_size = block_size
+        self.cache_on_allocate = cache_on_allocate
         self.num_blocks = num_blocks
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         on_evict = self.prefix_cache.evict if self.prefix_cache is not None else None
@@ -51,13 +56,28 @@ class KVCacheManager:
         if self.prefix_cache is not None and request.num_computed_tokens == 0:  # admission
             self.prefix_cache.record(request.num_tokens, len(computed_blocks) * self.block_size)
             request.num_cached_blocks = len(computed_blocks)
+        request.num_published_blocks = request.num_cached_blocks
+        if self.cache_on_allocate:
+            self._publish(request, num_computed + num_new_tokens)
         return appended
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's newly computed full blocks in the prefix cache (after a step ran)."""
+        self._publish(request, request.num_computed_tokens)
+
+    def unpublish_step(self, request: Request) -> None:
+        """Withdraw the blocks published when this step allocated them: the request is preempted before the
+        step runs, so they will never be computed."""
         if self.prefix_cache is None:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        for block in request.block_ids[request.num_published_blocks:request.num_cached_blocks]:
+            self.prefix_cache.evict(block)
+        request.num_cached_blocks = request.num_published_blocks
+
+    def _publish(self, request: Request, num_tokens: int) -> None:
+        if self.prefix_cache is None:
+            return
+        num_full = num_tokens // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         bs = self.block_size

@@ -52,6 +52,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_published_blocks = 0  # of those, how many were computed before the current step
         self.num_preemptions = 0
 
         self.generator: torch.Generator | None = None

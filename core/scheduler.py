@@ -128,6 +128,7 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim.request_id in scheduled:  # already given a slot this step: take it back
                     budget += scheduled.pop(victim.request_id).num_new_tokens
+                    self.kv.unpublish_step(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

@@ -81,3 +81,19 @@ def test_without_prefix_caching_nothing_is_shared():
     run_prefill(kv, make_request("a", list(range(10))))
     b = make_request("b", list(range(10)))
     assert kv.get_computed_blocks(b) == []
+
+
+def test_cache_on_allocate_lets_a_request_of_the_same_step_share():
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=True, cache_on_allocate=True)
+    a = make_request("a", list(range(10)))
+    assert kv.allocate_slots(a, 10) == [0, 1, 2]  # not computed yet, but published
+    b = make_request("b", list(range(8)) + [40, 41])
+    assert kv.get_computed_blocks(b) == [0, 1]
+
+
+def test_a_preempted_request_withdraws_what_it_published_this_step():
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=True, cache_on_allocate=True)
+    a = make_request("a", list(range(10)))
+    kv.allocate_slots(a, 10)
+    kv.unpublish_step(a)
+    assert len(kv.prefix_cache) == 0 and a.num_cached_blocks == 0

@@ -133,3 +133,13 @@ def test_prefix_hit_is_scheduled_as_computed():
     out = step(sched)
     assert ("b", 1) in plan(out)  # two cached blocks (8 tokens), the last token recomputed
     assert b.block_ids[:2] == a.block_ids[:2]
+
+
+def test_same_step_prefix_sharing():
+    kv = KVCacheManager(12, BS, True, cache_on_allocate=True)
+    sched = Scheduler(kv, 8, 64, True)
+    a = add(sched, "a", 9)
+    b = add(sched, "b", 9)  # the same 9 tokens
+    out = step(sched)
+    assert plan(out) == [("a", 9), ("b", 1)]  # b shares a's two full blocks within the step
+    assert b.block_ids[:2] == a.block_ids[:2]

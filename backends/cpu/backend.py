@@ -47,6 +47,7 @@ def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torc
 class CPUBackend(Backend):
     name = "cpu"
     default_block_size = 16
+    writes_kv_before_attention = True  # see attention.paged_attention: write, then attend
     env_vars = {
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),

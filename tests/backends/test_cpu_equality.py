@@ -107,3 +107,12 @@ def test_prefix_caching_with_evictions_and_preemption(tiny_model_dirs, reference
         assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv_manager.prefix_cache.hits > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefix_shared_within_one_step(tiny_model_dirs, references, arch):
+    """Prompts with a common prefix admitted in the same step share its blocks while they are computed."""
+    prompts, expected = references[arch]["shared"]
+    llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.kv_manager.prefix_cache.hits >= (len(prompts) - 2) * 32  # all but the first hit 2+ blocks
