@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -35,3 +36,12 @@ def available_memory_bytes() -> int | None:
     it is the machine's free memory minus the weights."""
     values = [v for v in (_meminfo_available(), _cgroup_headroom()) if v is not None]
     return min(values) if values else None
+
+
+def tcmalloc_loaded() -> bool:
+    """Whether TCMalloc is this process's allocator (preloaded with LD_PRELOAD)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return "tcmalloc" in f.read()
+    except OSError:
+        return "tcmalloc" in os.environ.get("LD_PRELOAD", "")

@@ -20,7 +20,7 @@ PLUGINS_ENV = "PAGEDLLM_PLUGINS"
 # What to install for the built-in backends when they are missing or unavailable.
 _INSTALL_HINTS = {
     "cpu": 'pip install "pagedllm[cpu]"',
-    "openvino": 'pip install "pagedllm[openvino]" (see the README: optimum-intel installs with --no-deps)',
+    "openvino": 'make install, or pip install "pagedllm[openvino]" then pip install --no-deps optimum-intel==2.2.0',
 }
 
 

@@ -6,15 +6,9 @@ import ctypes.util
 import glob
 import os
 
+from pagedllm.memory import tcmalloc_loaded
+
 _SEARCH = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-
-
-def _loaded() -> bool:
-    try:
-        with open("/proc/self/maps", encoding="utf-8") as f:
-            return "tcmalloc" in f.read()
-    except OSError:
-        return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
 
 
 def _installed() -> str | None:
@@ -28,7 +22,7 @@ def _installed() -> str | None:
 
 
 def tcmalloc_status() -> str:
-    if _loaded():
+    if tcmalloc_loaded():
         return "TCMalloc is preloaded"
     path = _installed()
     if path:

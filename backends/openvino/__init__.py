@@ -1,0 +1,1 @@
+"""The openvino backend: optimum-intel export, OpenVINO's paged attention, u8 KV cache, NNCF int8 weights."""

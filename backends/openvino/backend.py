@@ -1,0 +1,148 @@
+"""The openvino backend: the core's scheduler and paged KV cache over OpenVINO's CPU plugin.
+
+Load: HF folder -> cached stateful IR (optimum-intel; NNCF int8 weights when asked) or an optimum-cli
+folder as is -> paged-attention transformation -> Gather before the LM head -> compile on CPU with the
+inference and KV-cache precisions passed explicitly -> KV tensors shaped as the compiled model says.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import numpy as np
+
+from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
+from pagedllm.memory import tcmalloc_loaded
+from pagedllm.backends.openvino.precision import Precision, choose_precision
+
+logger = logging.getLogger("pagedllm.openvino")
+
+INSTALL_HINT = ('run `make install`, or `pip install -e ".[openvino]"` then '
+                '`pip install --no-deps optimum-intel==2.2.0` (its torchvision requirement breaks the CPU torch)')
+_REQUIRED = (("openvino", "openvino"), ("optimum.intel", "optimum-intel"), ("nncf", "nncf"))
+_TYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+class OpenVINOBackend(Backend):
+    name = "openvino"
+    default_block_size = 32  # the CPU plugin's paged attention fixes it
+    env_vars = {
+        "kv_cache_space": ("PAGEDLLM_OPENVINO_KVCACHE_SPACE", "VLLM_OPENVINO_KVCACHE_SPACE"),
+        "kv_cache_dtype": ("PAGEDLLM_OPENVINO_CPU_KV_CACHE_PRECISION", "VLLM_OPENVINO_CPU_KV_CACHE_PRECISION"),
+        "quantize_weights": ("PAGEDLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS", "VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS"),
+        "cpu_omp_threads_bind": ("VLLM_CPU_OMP_THREADS_BIND",),
+    }
+
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        missing = [package for module, package in _REQUIRED if not _importable(module)]
+        if missing:
+            return False, f"{', '.join(missing)} not installed: {INSTALL_HINT}"
+        if tcmalloc_loaded():  # OpenVINO's CPU plugin segfaults on its first Core() under a preloaded TCMalloc
+            return False, "OpenVINO crashes with TCMalloc preloaded: start without LD_PRELOAD=...tcmalloc..."
+        return True, ""
+
+    def __init__(self, config: EngineConfig, model: ModelSource) -> None:
+        super().__init__(config, model)
+        if model.kind == "openvino" and config.quantize_weights != "none":
+            raise ConfigError(
+                f"{model.path} is an OpenVINO export, used as is: its weights cannot be compressed again. Drop "
+                f"--quantize-weights (and VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS), or export it with "
+                f"`optimum-cli export openvino --weight-format int8`")
+        self.precision: Precision | None = None
+        self.inference_precision = ""
+        self.threads_applied = ""
+        self.kv_cache = None
+        self.request = None
+
+    def load_model(self) -> ModelInfo:
+        import openvino as ov
+        from transformers import AutoConfig
+
+        from pagedllm.backends.openvino.export_cache import MODEL_XML
+        from pagedllm.backends.openvino.kv_cache import PagedKVCache
+        from pagedllm.backends.openvino.logits_gather import gather_before_lm_head
+        from pagedllm.backends.openvino.paged_attention import to_paged_attention
+        from pagedllm.backends.openvino.threads import thread_properties
+
+        ir_dir = self._ir_dir()
+        core = ov.Core()
+        model = core.read_model(ir_dir / MODEL_XML)
+        to_paged_attention(model)
+        gather_before_lm_head(model)
+
+        capabilities = frozenset(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+        self.precision = choose_precision(self.config.dtype, self.config.kv_cache_dtype, capabilities)
+        threads, self.threads_applied = thread_properties(self.config.cpu_omp_threads_bind, self.config.serving)
+        compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads})
+        self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+        self.request = compiled.create_infer_request()
+        self.kv_cache = PagedKVCache(compiled)
+        logger.info("precision: %s; the compiled model runs %s with a %s KV cache", self.precision.reason,
+                    self.inference_precision, self.kv_cache.element_type)
+        if self.inference_precision != self.precision.inference:
+            logger.warning("inference precision %s was asked, but OpenVINO's CPU plugin runs %s on this CPU "
+                           "(capabilities %s)", self.precision.inference, self.inference_precision,
+                           ", ".join(sorted(capabilities)))
+
+        text = AutoConfig.from_pretrained(ir_dir).get_text_config()
+        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return ModelInfo(
+            architecture=text.model_type,
+            vocab_size=compiled.output("logits").get_partial_shape()[-1].get_length(),
+            num_layers=self.kv_cache.num_layers,
+            num_kv_heads=self.kv_cache.num_kv_heads,
+            head_size=head_size,
+            max_model_len=text.max_position_embeddings,
+            dtype=_TYPE_NAMES.get(self.inference_precision, self.inference_precision),
+        )
+
+    def _ir_dir(self):
+        if self.model.kind == "openvino":
+            logger.info("using the OpenVINO export %s as is", self.model.path)
+            return self.model.path
+        from pagedllm.backends.openvino.export_cache import exported_model
+
+        weight_format = "int8" if self.config.quantize_weights == "int8" else "fp32"
+        return exported_model(self.model.hf_dir, self.model.name, weight_format)
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size != self.kv_cache.block_size:
+            raise ConfigError(f"OpenVINO's CPU plugin uses KV blocks of {self.kv_cache.block_size} tokens; pass "
+                              f"--block-size {self.kv_cache.block_size} or leave it unset")
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.kv_cache.bytes_per_block()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache.allocate(num_blocks, self.request)
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        from pagedllm.backends.openvino.step_inputs import paged_inputs
+
+        inputs = paged_inputs(batch, self.kv_cache.num_blocks, self.kv_cache.block_size)
+        self.request.infer(inputs, share_inputs=True)
+        return self.request.get_tensor("logits").data[:, 0, :].copy()  # the output buffer is reused
+
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.kv_cache.copy_blocks(src, dst)
+
+    def describe(self) -> str:
+        if self.model.kind == "openvino":
+            weights = "weights as in the export folder"
+        else:
+            weights = "int8 weights (NNCF)" if self.config.quantize_weights == "int8" else "fp32 weights"
+        return (f"OpenVINO CPU, inference {self.inference_precision}, KV cache {self.kv_cache.element_type} "
+                f"(blocks of {self.kv_cache.block_size}), {weights}, {self.threads_applied}")
+
+    def shutdown(self) -> None:
+        self.request = None
+        self.kv_cache = None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package (optimum) is missing
+        return False

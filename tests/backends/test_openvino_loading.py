@@ -1,0 +1,161 @@
+"""Loading on the openvino backend: the export cache, optimum-cli folders, settings, bad input, availability."""
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from openvino_support import one_sequence_batch, requires_openvino, tiny_export_cache  # noqa: F401
+from pagedllm import LLM, ConfigError, SamplingParams
+from pagedllm.backends.openvino import export_cache
+from pagedllm.backends.openvino.step_inputs import InvalidBlockTableError
+from pagedllm.model_source import cache_dir
+
+pytestmark = [requires_openvino, pytest.mark.usefixtures("tiny_export_cache")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPTS = random_prompts([5, 33, 70], seed=7)
+
+
+def make_llm(model, **kwargs):
+    kwargs.setdefault("kv_cache_space", 0.01)
+    kwargs.setdefault("dtype", "float32")
+    return LLM(str(model), backend="openvino", max_model_len=256, **kwargs)
+
+
+def token_ids(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def int8_tokens(tiny_llama):
+    return token_ids(make_llm(tiny_llama, quantize_weights="int8"))
+
+
+@pytest.fixture(scope="module")
+def cli_folder(tiny_llama, tmp_path_factory):
+    """A folder made by `optimum-cli export openvino` with int8 weights."""
+    out = tmp_path_factory.mktemp("cli") / "llama-int8"
+    cli = shutil.which("optimum-cli") or pytest.fail("optimum-cli is not on PATH")
+    subprocess.run([cli, "export", "openvino", "-m", str(tiny_llama), "--task", "text-generation-with-past",
+                    "--weight-format", "int8", str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_second_load_reuses_the_export(tiny_llama, monkeypatch, caplog):
+    make_llm(tiny_llama)  # exports, unless an earlier test did
+    folder = export_cache.export_dir(tiny_llama, tiny_llama.name, "fp32")
+    assert (folder / export_cache.MARKER).is_file()
+
+    def no_export(*args):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(export_cache, "_export_fp32", no_export)
+    logger = logging.getLogger("pagedllm.openvino")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm.openvino"):
+            make_llm(tiny_llama)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"reusing the cached OpenVINO export {folder}" in caplog.text
+
+
+def test_cache_key_covers_weight_format_and_model_files(tiny_llama, tmp_path):
+    fp32 = export_cache.export_dir(tiny_llama, "m", "fp32")
+    assert fp32 != export_cache.export_dir(tiny_llama, "m", "int8")
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    before = export_cache.export_dir(copy, "m", "fp32")
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
+    assert export_cache.export_dir(copy, "m", "fp32") != before
+
+
+def test_optimum_cli_folder_is_used_as_is(cli_folder, int8_tokens):
+    exports = cache_dir() / "openvino"
+    exports_before = sorted(os.listdir(exports))
+    llm = make_llm(cli_folder)
+    assert llm.engine.source.kind == "openvino"
+    # optimum-cli's int8 weights are NNCF int8_asym, what --quantize-weights int8 makes: same tokens.
+    assert token_ids(llm) == int8_tokens
+    assert sorted(os.listdir(exports)) == exports_before  # nothing exported
+
+
+def test_quantizing_an_export_folder_is_refused(cli_folder):
+    with pytest.raises(ConfigError, match="used as is"):
+        make_llm(cli_folder, quantize_weights="int8")
+
+
+def test_stateless_export_is_refused(tiny_llama, tmp_path):
+    from optimum.exporters.openvino import main_export
+    from optimum.intel import OVConfig
+
+    main_export(str(tiny_llama), output=tmp_path / "stateless", task="text-generation-with-past", stateful=False,
+                ov_config=OVConfig(dtype="fp32"), local_files_only=True)
+    with pytest.raises(ConfigError, match="stateless.*without --disable-stateful"):
+        make_llm(tmp_path / "stateless")
+
+
+def test_vllm_env_vars(tiny_llama, monkeypatch, int8_tokens):
+    monkeypatch.setenv("VLLM_OPENVINO_CPU_KV_CACHE_PRECISION", "u8")
+    monkeypatch.setenv("VLLM_OPENVINO_KVCACHE_SPACE", "0.02")
+    monkeypatch.setenv("VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS", "ON")
+    llm = LLM(str(tiny_llama), backend="openvino", dtype="float32", max_model_len=256)
+    backend = llm.engine.backend
+    assert backend.kv_cache.element_type == "u8" and llm.engine.config.quantize_weights == "int8"
+    assert llm.engine.num_blocks == int(0.02 * 2**30) // backend.kv_cache_bytes_per_block()
+    # u8 blocks read from the compiled model: keys [2 heads, 32 + 8 rows, 16], values [2, 32, 16 + 8], 2 layers.
+    assert backend.kv_cache_bytes_per_block() == 2 * (2 * 40 * 16 + 2 * 32 * 24)
+    assert len(token_ids(llm)) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 16}, "blocks of 32 tokens; pass --block-size 32"),
+    ({"dtype": "bfloat16", "kv_cache_dtype": "fp32"}, "fp32 KV cache needs float32 inference"),
+])
+def test_bad_settings_are_refused(tiny_llama, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make_llm(tiny_llama, **kwargs)
+
+
+def test_bad_block_tables_are_refused_before_infer(tiny_llama):
+    llm = make_llm(tiny_llama, kv_cache_space=16 * 2 * 2 * 2 * 32 * 16 * 4 / 2**30)  # 16 f32 blocks
+    backend = llm.engine.backend
+    assert llm.engine.num_blocks == 16
+    ids = PROMPTS[2][:40]
+    with pytest.raises(InvalidBlockTableError, match="refers to KV block 16, but the cache has blocks 0..15"):
+        backend.execute(one_sequence_batch(ids, [39], block_ids=[3, 16]))
+    with pytest.raises(InvalidBlockTableError, match="refers to KV block -1"):
+        backend.execute(one_sequence_batch(ids, [39], block_ids=[-1, 2]))
+    with pytest.raises(InvalidBlockTableError, match="40 tokens of context, which need 2 blocks of 32, but its "
+                                                     "block table has only 1"):
+        backend.execute(one_sequence_batch(ids, [39], block_ids=[3]))
+    # Logits come back only for the rows asked for (the Gather before the LM head), also for none.
+    vocab = llm.engine.model_info.vocab_size
+    assert np.asarray(backend.execute(one_sequence_batch(ids, [0, 20, 39], block_ids=[3, 5]))).shape == (3, vocab)
+    assert np.asarray(backend.execute(one_sequence_batch(ids, [], block_ids=[3, 5]))).shape == (0, vocab)
+    assert token_ids(llm) == token_ids(make_llm(tiny_llama))  # nothing was corrupted
+
+
+def test_pagedllm_backends_lists_openvino_available():
+    out = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "backends"], check=True,
+                         capture_output=True, text=True).stdout
+    assert any(line.split()[:1] == ["openvino"] and line.endswith("available") for line in out.splitlines()), out
+
+
+def test_without_openvino_the_listing_says_what_to_install():
+    """The plugin imports without openvino; is_available names the missing package and the install command."""
+    script = (
+        "import sys, importlib.abc\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'openvino': raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "from pagedllm.plugins import list_backends\n"
+        "print([i.reason for i in list_backends() if i.name == 'openvino'][0])\n")
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    assert "openvino not installed" in out and "make install" in out and "--no-deps optimum-intel" in out, out
