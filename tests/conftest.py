@@ -1,5 +1,4 @@
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -7,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import ALL_ARCHITECTURES, VOCAB_SIZE, build_model  # noqa: E402
+from tiny_models import ALL_ARCHITECTURES, build_model  # noqa: E402
 
 os.environ.setdefault("PAGEDLLM_LOGGING_LEVEL", "WARNING")
 
@@ -21,8 +20,3 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
-
-
-def random_prompts(lengths, seed=0, low=3):
-    rng = random.Random(seed)
-    return [[rng.randrange(low, VOCAB_SIZE) for _ in range(n)] for n in lengths]

@@ -183,7 +183,7 @@ def test_serving_summary_metrics():
 
 
 def test_serve_benchmark_against_pagedllm_serve(tiny_llama, tmp_path):
-    from entrypoints.conftest import ServerProcess
+    from server_process import ServerProcess
 
     server = ServerProcess([str(tiny_llama), *TINY_ENGINE], tmp_path / "server.log")
     try:
@@ -205,7 +205,7 @@ def test_serve_benchmark_against_pagedllm_serve(tiny_llama, tmp_path):
 
 
 def test_serve_benchmark_without_a_server_says_so(tmp_path, capsys):
-    from entrypoints.conftest import free_port
+    from server_process import free_port
 
     assert run_bench("serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", 1) == 2
     assert "is an OpenAI-compatible server running there?" in capsys.readouterr().err

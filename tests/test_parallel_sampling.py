@@ -2,8 +2,7 @@
 
 import pytest
 
-from conftest import random_prompts
-from tiny_models import kv_bytes_per_block
+from tiny_models import random_prompts, kv_bytes_per_block
 from pagedllm import LLM, InvalidRequestError, SamplingParams
 
 

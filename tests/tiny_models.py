@@ -6,6 +6,7 @@ depend on the context, and a wrong attention shows up as different tokens.
 
 from __future__ import annotations
 
+import random
 import zlib
 from pathlib import Path
 
@@ -109,3 +110,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                do_sample=False)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def random_prompts(lengths, seed=0, low=3):
+    rng = random.Random(seed)
+    return [[rng.randrange(low, VOCAB_SIZE) for _ in range(n)] for n in lengths]

@@ -2,8 +2,7 @@
 
 import pytest
 
-from conftest import random_prompts
-from tiny_models import ARCHITECTURES, hf_greedy, kv_bytes_per_block
+from tiny_models import random_prompts, ARCHITECTURES, hf_greedy, kv_bytes_per_block
 from pagedllm import LLM, SamplingParams
 
 NEW_TOKENS = 32

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import random_prompts
+from tiny_models import random_prompts
 from openvino_support import requires_openvino, tiny_export_cache  # noqa: F401
 from tiny_models import hf_greedy, kv_bytes_per_block
 from pagedllm import LLM, SamplingParams

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from tiny_models import random_prompts
 from openvino_support import one_sequence_batch, requires_openvino, tiny_export_cache  # noqa: F401
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.openvino import export_cache

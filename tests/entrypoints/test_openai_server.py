@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagedllm
-from conftest import ServerProcess, parse_metrics
+from server_process import ServerProcess, parse_metrics
 from pagedllm import LLM, SamplingParams
 
 KEY = "sk-test"
