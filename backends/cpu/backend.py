@@ -77,8 +77,8 @@ class CPUBackend(Backend):
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
-                                  ThreadBinder(self.thread_plan), kernels)
-        return self.runner.call(self.runner.load)
+                                  ThreadBinder(self.thread_plan, kernels), kernels)
+        return self.runner.load()
 
     def check_block_size(self, block_size: int) -> None:
         if block_size > 1024:
@@ -88,20 +88,17 @@ class CPUBackend(Backend):
         return self.runner.kv_cache_bytes_per_block(self.config.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.call(self.runner.allocate_kv_cache, num_blocks, self.config.block_size)
+        self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 
     def execute(self, batch: Batch) -> torch.Tensor:
-        return self.runner.call(self.runner.execute, batch)
+        return self.runner.execute(batch)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
-        self.runner.call(self.runner.copy_blocks, torch.as_tensor(src, dtype=torch.long),
-                         torch.as_tensor(dst, dtype=torch.long))
+        self.runner.copy_blocks(torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long))
 
     def describe(self) -> str:
         return (f"KV cache {self.cache_reason}; {self.thread_plan.describe()}; attention: {self.attention_path} "
                 f"(IPEX: {ipex_status()})")
 
     def shutdown(self) -> None:
-        if self.runner is not None:
-            self.runner.shutdown()
-            self.runner = None
+        self.runner = None

@@ -46,7 +46,7 @@ def load_kernels(mode: str = "auto"):
         from torch.utils.cpp_extension import load
 
         module = load(name=f"pagedllm_cpu_kernels_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:
         if mode == "kernel":
             raise

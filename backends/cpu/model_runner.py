@@ -7,7 +7,6 @@ weights and the cache) where the backend now has one, without touching the core.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -20,8 +19,8 @@ logger = logging.getLogger("pagedllm.cpu")
 
 
 class ModelRunner:
-    """Runs everything on one worker thread of its own, whose OpenMP threads are pinned to the plan's
-    CPUs; callers (the engine loop, on any thread) hand work over and wait."""
+    """One model replica and its KV cache. It runs on the calling thread (the engine's), whose OpenMP team is
+    pinned to the plan's CPUs on first use (see threads.py for why not a thread of its own)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None) -> None:
@@ -29,18 +28,10 @@ class ModelRunner:
         self.dtype = dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
         self.cache_dtype = cache_dtype
+        self.binder = binder
+        self.kernels = kernels
         self.model = None
         self.kv_caches: list[tuple] = []
-        self.kernels = kernels
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-cpu-worker",
-                                          initializer=binder.bind_current_thread)
-
-    def call(self, fn, *args):
-        """Run ``fn(*args)`` on the worker thread."""
-        return self._worker.submit(fn, *args).result()
-
-    def shutdown(self) -> None:
-        self._worker.shutdown(wait=True)
 
     def load(self) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -77,6 +68,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
+        self.binder.ensure_bound()
         metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels)
         out = self.model(
             input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),

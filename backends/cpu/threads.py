@@ -1,18 +1,21 @@
 """Applies a ThreadPlan to torch: the number of intra-op threads, and one CPU per OpenMP thread.
 
-OpenMP keeps one worker pool per thread that starts parallel work, so the pinning happens on the
-model's own worker thread before it runs anything: its OpenMP workers are the threads that appear
-while a warm-up op runs, and each gets one CPU of the plan.
+OpenMP keeps one thread team per thread that starts parallel work, and two teams in one process slow each
+other down badly (measured: a small elementwise op took 10x longer on a second thread once the main thread had
+a team). So the model runs on whichever thread calls it (the engine's), and that thread's team is pinned the
+first time it runs the model: with the C++ extension's ``bind_threads`` (exact, as vLLM does), or else by
+pinning the threads that appear while a warm-up op runs (only works on a thread with no team yet).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
-from pagedllm.cpu_binding import ThreadPlan
+from pagedllm.cpu_binding import ThreadPlan, format_cpu_list
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -22,14 +25,27 @@ def _tasks() -> set[int]:
 
 
 class ThreadBinder:
-    def __init__(self, plan: ThreadPlan) -> None:
+    def __init__(self, plan: ThreadPlan, kernels=None) -> None:
         self.plan = plan
+        self.kernels = kernels
+        self._bound_to: int | None = None
+
+    def ensure_bound(self) -> None:
+        """Pin the calling thread's OpenMP team, once per calling thread."""
+        ident = threading.get_ident()
+        if self._bound_to != ident:
+            self._bound_to = ident
+            self.bind_current_thread()
 
     def bind_current_thread(self) -> None:
-        """Pin this (fresh) thread and the OpenMP workers its first parallel op creates."""
         torch.set_num_threads(self.plan.num_threads)
         cpus = self.plan.cpus
         if cpus is None:
+            return
+        if self.kernels is not None:
+            placed = self.kernels.bind_threads(cpus)
+            if list(placed) != list(cpus):
+                logger.warning("pinned OpenMP threads to CPUs %s, asked for %s", placed, format_cpu_list(cpus))
             return
         os.sched_setaffinity(0, cpus)  # workers created below inherit the whole set first
         before = _tasks()
@@ -46,4 +62,4 @@ class ThreadBinder:
                 pass
         if len(workers) != len(cpus) - 1:
             logger.warning("pinned %d of %d OpenMP worker threads one-to-one; the rest run on CPUs %s",
-                           min(len(workers), len(cpus) - 1), len(cpus) - 1, cpus)
+                           min(len(workers), len(cpus) - 1), len(cpus) - 1, format_cpu_list(cpus))
