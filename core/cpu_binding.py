@@ -15,6 +15,13 @@ from pathlib import Path
 from pagedllm.errors import ConfigError
 
 SYSFS = Path("/sys/devices/system")
+# The CPUs this process may use, read before anything pins a thread (binding pins the calling thread to one
+# CPU, so a later engine in the same process would otherwise see only that one).
+_PROCESS_CPUS = frozenset(os.sched_getaffinity(0))
+
+
+def process_cpus() -> frozenset[int]:
+    return _PROCESS_CPUS
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -54,7 +61,7 @@ class Topology:
     def read(cls, root: Path = SYSFS) -> "Topology":
         siblings: dict[int, tuple[int, ...]] = {}
         online = _read(root / "cpu" / "online")
-        cpus = parse_cpu_list(online) if online else sorted(os.sched_getaffinity(0))
+        cpus = parse_cpu_list(online) if online else sorted(_PROCESS_CPUS)
         for cpu in cpus:
             text = _read(root / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list")
             siblings[cpu] = tuple(parse_cpu_list(text)) if text else (cpu,)
@@ -98,7 +105,7 @@ def plan_threads(spec: str, *, reserve_for_server: bool = False, topology: Topol
     """
     spec = (spec or "auto").strip()
     topology = topology or Topology.read()
-    allowed = set(os.sched_getaffinity(0)) if allowed is None else set(allowed)
+    allowed = set(_PROCESS_CPUS if allowed is None else allowed)
     allowed &= set(topology.siblings) or allowed
 
     if "|" in spec:

@@ -11,7 +11,7 @@ CPU_ENV = {"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SP
 def test_defaults():
     c = resolve(EngineArgs(), CPU_ENV, environ={})
     assert (c.backend, c.dtype, c.max_num_seqs, c.kv_cache_space, c.seed) == ("cpu", "auto", 256, 4.0, 0)
-    assert not c.enable_chunked_prefill and not c.enable_prefix_caching
+    assert c.enable_chunked_prefill and not c.enable_prefix_caching
     assert c.sources["kv_cache_space"] == "default"
 
 
@@ -49,7 +49,7 @@ def test_bad_env_values_name_the_variable(env, message):
 
 
 def test_budget_below_max_model_len_without_chunking_says_what_to_change():
-    c = resolve(EngineArgs(max_num_batched_tokens=512, max_num_seqs=4), environ={})
+    c = resolve(EngineArgs(max_num_batched_tokens=512, max_num_seqs=4, enable_chunked_prefill=False), environ={})
     with pytest.raises(ConfigError, match="--enable-chunked-prefill"):
         c.finalize(model_max_len=2048, default_block_size=16)
 
@@ -67,10 +67,10 @@ def test_max_model_len_above_the_model_is_refused():
 
 
 def test_finalize_fills_model_dependent_defaults():
-    c = resolve(EngineArgs(), environ={})
+    c = resolve(EngineArgs(enable_chunked_prefill=False), environ={})
     c.finalize(model_max_len=8192, default_block_size=32)
     assert (c.max_model_len, c.block_size, c.max_num_batched_tokens) == (8192, 32, 8192)
-    c = resolve(EngineArgs(enable_chunked_prefill=True), environ={})
+    c = resolve(EngineArgs(), environ={})
     c.finalize(model_max_len=8192, default_block_size=16)
     assert c.max_num_batched_tokens == 2048
 

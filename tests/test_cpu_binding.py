@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from pagedllm.cpu_binding import Topology, format_cpu_list, parse_cpu_list, plan_threads
+from pagedllm.cpu_binding import Topology, format_cpu_list, parse_cpu_list, plan_threads, process_cpus
 from pagedllm.errors import ConfigError
 
 
@@ -91,14 +91,14 @@ def test_bad_specs_say_what_to_do(tmp_path, spec, message):
 
 def test_this_machine():
     plan = plan_threads("auto")
-    assert plan.cpus and set(plan.cpus) <= os.sched_getaffinity(0)
+    assert plan.cpus and set(plan.cpus) <= process_cpus()
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs")
 def test_worker_threads_are_pinned_one_to_one():
     from pagedllm.backends.cpu.threads import ThreadBinder
 
-    cpus = sorted(os.sched_getaffinity(0))[:2]
+    cpus = sorted(process_cpus())[:2]
     plan = plan_threads(format_cpu_list(cpus))
     seen = {}
 

@@ -1,10 +1,11 @@
 """Paged attention for transformers' model classes, registered as an attention implementation.
 
-transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens
-of the step packed into one row. We write the new keys and values into the layer's block cache, then
-attend in two batched calls: decodes (one query token each) and prompt chunks (padded to the longest
-chunk). Query heads that share a KV head are folded into rows, so no head repeat is materialized.
-Decodes use the C++ kernel (kernels.py) when it is built: it reads the blocks in place instead of gathering.
+transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens of the
+step packed into one row. We write the new keys and values into the layer's block cache first, then attend:
+decodes (one query token each) in one call of the C++ kernel, which reads the blocks in place (or, without
+it, a gather plus SDPA); prompt chunks with SDPA over their gathered blocks, padded to the longest chunk of
+their bucket (chunks are bucketed by length so that a 544-token prompt does not pad thirty 32-token ones).
+Query heads that share a KV head are folded into rows, so no head repeat is materialized.
 """
 
 from __future__ import annotations
@@ -15,6 +16,56 @@ import torch.nn.functional as F
 from pagedllm import Batch
 
 ATTENTION_NAME = "pagedllm_cpu"
+
+
+def _length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Indices grouped so that within a group the longest is at most twice the shortest (plus 16):
+    padding then costs at most ~2x, and the number of groups grows with log(longest / shortest)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[groups[-1][0]] <= 2 * lengths[i] + 16:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class PrefillGroup:
+    """Prompt chunks attended together: their queries padded to ``max_q``, their blocks gathered."""
+
+    def __init__(self, members: torch.Tensor, q_start: torch.Tensor, q_lens: torch.Tensor, past: torch.Tensor,
+                 table: torch.Tensor, block_size: int) -> None:
+        self.size = len(members)
+        self.q_lens = q_lens[members]
+        self.past = past[members]
+        self.max_q = int(self.q_lens.max())
+        self.num_blocks = -(-int((self.past + self.q_lens).max()) // block_size)
+        self.blocks = table[members, :self.num_blocks].reshape(-1)
+        rows = torch.arange(self.max_q)
+        self.valid = rows.unsqueeze(0) < self.q_lens.unsqueeze(1)  # [size, max_q]
+        # Padded query slots read the chunk's first token (any real row works); they are dropped afterwards.
+        local = torch.where(self.valid, rows.unsqueeze(0), 0)
+        self.gather = (q_start[members].unsqueeze(1) + local).reshape(-1)  # token index of each padded row
+        self.valid_rows = self.valid.reshape(-1).nonzero().squeeze(1)
+        self.tokens = self.gather[self.valid_rows]  # where each real row's output goes
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def mask(self, window: int | None, groups: int, block_size: int) -> torch.Tensor:
+        """[size, 1, groups * max_q, S] bool: query row r of a chunk sees keys up to its own position."""
+        key = (window, groups)
+        if key not in self._masks:
+            span = self.num_blocks * block_size
+            keys = torch.arange(span).view(1, 1, span)
+            pos = (self.past.unsqueeze(1) + torch.arange(self.max_q).unsqueeze(0)).unsqueeze(2)
+            allowed = keys <= pos
+            if window is not None:
+                allowed &= keys > pos - window
+            # Padding rows see key 0 only, so their softmax stays finite; they are dropped anyway.
+            allowed |= (~self.valid).unsqueeze(2) & (keys == 0)
+            allowed = allowed.unsqueeze(1).expand(-1, groups, -1, -1).reshape(self.size, 1, -1, span)
+            self._masks[key] = allowed
+        return self._masks[key]
 
 
 class PagedAttentionMetadata:
@@ -28,7 +79,7 @@ class PagedAttentionMetadata:
         slots = torch.from_numpy(batch.slot_mapping)
         self.slot_blocks = slots // bs
         self.slot_offsets = slots % bs
-        self._masks: dict[tuple[str, int | None], torch.Tensor | None] = {}
+        self._masks: dict[int | None, torch.Tensor | None] = {}
 
         nd = batch.num_decodes
         self.num_decodes = nd
@@ -40,52 +91,26 @@ class PagedAttentionMetadata:
             self.dec_table = table[:nd, :self.dec_num_blocks].contiguous()
             self.dec_blocks = self.dec_table.reshape(-1)
 
-        num_prefills = batch.num_seqs - nd
-        self.num_prefills = num_prefills
-        if num_prefills:
+        self.prefill_groups: list[PrefillGroup] = []
+        if batch.num_seqs > nd:
             q_start = torch.from_numpy(batch.query_start_loc).long()
-            q_lens = (q_start[nd + 1:] - q_start[nd:-1])
-            self.pre_q_lens = q_lens
-            self.pre_max_q = int(q_lens.max())
-            self.pre_past = torch.from_numpy(batch.num_computed[nd:]).long()
-            self.pre_lens = seq_lens[nd:]
-            self.pre_num_blocks = -(-int(self.pre_lens.max()) // bs)
-            self.pre_blocks = table[nd:, :self.pre_num_blocks].reshape(-1)
-            rows = torch.arange(self.pre_max_q)
-            valid = rows.unsqueeze(0) < q_lens.unsqueeze(1)  # [P, maxq]
-            self.pre_valid = valid
-            # Padded query slots read the chunk's first token (any real row works); dropped afterwards.
-            local = torch.where(valid, rows.unsqueeze(0), 0)
-            self.pre_gather = (q_start[nd:-1].unsqueeze(1) - q_start[nd] + local).reshape(-1)
-            self.pre_scatter = valid.reshape(-1).nonzero().squeeze(1)
+            q_lens = q_start[1:] - q_start[:-1]
+            past = torch.from_numpy(batch.num_computed).long()
+            lengths = q_lens[nd:].tolist()
+            for bucket in _length_buckets(lengths):
+                members = torch.tensor(bucket, dtype=torch.long) + nd
+                self.prefill_groups.append(PrefillGroup(members, q_start, q_lens, past, table, bs))
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """[nd, 1, 1, S] bool, or None when every decode attends to all gathered slots."""
-        key = ("decode", window)
-        if key not in self._masks:
+        if window not in self._masks:
             span = self.dec_num_blocks * self.block_size
             keys = torch.arange(span).unsqueeze(0)
             allowed = keys < self.dec_lens.unsqueeze(1)
             if window is not None:
                 allowed &= keys > (self.dec_lens.unsqueeze(1) - 1 - window)
-            self._masks[key] = None if bool(allowed.all()) else allowed[:, None, None, :]
-        return self._masks[key]
-
-    def prefill_mask(self, window: int | None, groups: int) -> torch.Tensor:
-        """[P, 1, groups * maxq, S] bool: query row r of a chunk sees keys up to its own position."""
-        key = ("prefill", window, groups)
-        if key not in self._masks:
-            span = self.pre_num_blocks * self.block_size
-            keys = torch.arange(span).view(1, 1, span)
-            pos = (self.pre_past.unsqueeze(1) + torch.arange(self.pre_max_q).unsqueeze(0)).unsqueeze(2)
-            allowed = keys <= pos
-            if window is not None:
-                allowed &= keys > pos - window
-            # Padding rows see key 0 only, so their softmax stays finite; they are dropped anyway.
-            allowed |= (~self.pre_valid).unsqueeze(2) & (keys == 0)
-            allowed = allowed.unsqueeze(1).expand(-1, groups, -1, -1).reshape(self.num_prefills, 1, -1, span)
-            self._masks[key] = allowed
-        return self._masks[key]
+            self._masks[window] = None if bool(allowed.all()) else allowed[:, None, None, :]
+        return self._masks[window]
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -117,16 +142,16 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         qd = q[:nd].reshape(nd, num_kv_heads, groups, dim)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=md.decode_mask(window), scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, dim)
-    if md.num_prefills:
-        p, max_q = md.num_prefills, md.pre_max_q
-        keys = k_cache.gather(md.pre_blocks, p, md.pre_num_blocks, dtype)
-        values = v_cache.gather(md.pre_blocks, p, md.pre_num_blocks, dtype)
-        qp = q[nd:].index_select(0, md.pre_gather).view(p, max_q, num_kv_heads, groups, dim)
+    for group in md.prefill_groups:
+        p, max_q = group.size, group.max_q
+        keys = k_cache.gather(group.blocks, p, group.num_blocks, dtype)
+        values = v_cache.gather(group.blocks, p, group.num_blocks, dtype)
+        qp = q.index_select(0, group.gather).view(p, max_q, num_kv_heads, groups, dim)
         qp = qp.permute(0, 2, 3, 1, 4).reshape(p, num_kv_heads, groups * max_q, dim)
-        op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=md.prefill_mask(window, groups),
+        op = F.scaled_dot_product_attention(qp, keys, values, attn_mask=group.mask(window, groups, md.block_size),
                                             scale=scaling)
         op = op.view(p, num_kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(p * max_q, num_heads, dim)
-        out[nd:] = op.index_select(0, md.pre_scatter)
+        out[group.tokens] = op.index_select(0, group.valid_rows)
     return out.unsqueeze(0), None
 
 
