@@ -92,14 +92,13 @@ def test_preemption_takes_the_newest_request_and_recomputes_it():
     assert plan(out) == [("b", 8)]  # prompt + the token it had generated, recomputed
 
 
-def test_preempting_a_request_already_scheduled_this_step_returns_its_budget():
+def test_the_oldest_decode_needing_a_block_preempts_the_newest():
     sched, kv = make(num_blocks=5, budget=64, chunked=True)
-    a = add(sched, "a", 4)   # 1 block (+1 when it decodes)
-    b = add(sched, "b", 3)   # 1 block, fills slowly
-    c = add(sched, "c", 12)  # 3 blocks
+    add(sched, "a", 4)   # 1 block; its first generated token needs a second
+    add(sched, "b", 3)   # 1 block with room left
+    add(sched, "c", 12)  # 3 blocks
     step(sched)
     assert kv.allocator.num_free == 0
-    # a and b decode; a needs a new block: c (newest, not decoding yet? no: all decode) is preempted.
     out = step(sched)
     assert [r.request_id for r in out.preempted] == ["c"]
     assert sorted(plan(out)) == [("a", 1), ("b", 1)]
