@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import Batch
+from pagedllm.backends.cpu import kv_cache
 
 ATTENTION_NAME = "pagedllm_cpu"
 
@@ -76,9 +77,8 @@ class PagedAttentionMetadata:
         self.kernels = kernels  # the C++ decode kernel module, or None for the pure torch path
         bs = batch.block_size
         self.block_size = bs
-        slots = torch.from_numpy(batch.slot_mapping)
-        self.slot_blocks = slots // bs
-        self.slot_offsets = slots % bs
+        self.slots = torch.from_numpy(batch.slot_mapping)
+        self._slot_rows: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor | None] = {}
 
         nd = batch.num_decodes
@@ -100,6 +100,12 @@ class PagedAttentionMetadata:
             for bucket in _length_buckets(lengths):
                 members = torch.tensor(bucket, dtype=torch.long) + nd
                 self.prefill_groups.append(PrefillGroup(members, q_start, q_lens, past, table, bs))
+
+    def slot_rows(self, heads: int) -> torch.Tensor:
+        """Where this step's keys and values go in every layer's cache (see kv_cache.slot_rows)."""
+        if self._slot_rows is None:
+            self._slot_rows = kv_cache.slot_rows(self.slots, heads, self.block_size)
+        return self._slot_rows
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """[nd, 1, 1, S] bool, or None when every decode attends to all gathered slots."""
@@ -125,8 +131,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     groups = num_heads // num_kv_heads
     dtype = query.dtype
 
-    k_cache.write(key[0].transpose(0, 1), md.slot_blocks, md.slot_offsets)
-    v_cache.write(value[0].transpose(0, 1), md.slot_blocks, md.slot_offsets)
+    rows = md.slot_rows(num_kv_heads)
+    k_cache.write(key[0].transpose(0, 1), rows)
+    v_cache.write(value[0].transpose(0, 1), rows)
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)

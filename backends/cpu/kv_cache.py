@@ -7,16 +7,24 @@ Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's p
 from __future__ import annotations
 
 import math
+import mmap
 
-import numpy as np
 import torch
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros from calloc: the kernel hands out zero pages on first touch, so a large cache costs no start-up
-    time and no resident memory until blocks are used (torch.zeros would write every byte now)."""
+    """Zeros from an anonymous mapping: the kernel hands out zero pages on first touch, so a large cache costs
+    no start-up time and no resident memory until blocks are used. Transparent huge pages are asked for: first
+    writes into 4 KiB pages cost ~2 s per GiB here (a fault per page in a VM), into 2 MiB pages ~0.1 s."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without THP: 4 KiB pages, still lazy
+            pass
+    # The tensor holds a reference to the mapping, which is unmapped when the last view goes away.
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 class BlockCache:
@@ -30,9 +38,9 @@ class BlockCache:
     def bytes_per_token_head(head_size: int, dtype: torch.dtype) -> int:
         return head_size * torch.empty((), dtype=dtype).element_size()
 
-    def write(self, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        """x [T, heads, head_size] into slots (blocks[t], offsets[t])."""
-        self.data[blocks, :, offsets] = x.to(self.data.dtype)
+    def write(self, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """x [T, heads, head_size] into the cache rows from ``slot_rows``."""
+        _write_rows(self.data, x.to(self.data.dtype), rows)
 
     def gather(self, blocks: torch.Tensor, num_seqs: int, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         """[num_seqs, heads, num_blocks * block_size, head_size] for a flattened block table."""
@@ -55,14 +63,14 @@ class QuantizedBlockCache:
     def bytes_per_token_head(head_size: int, dtype: torch.dtype | None = None) -> int:
         return head_size + 2 * 4
 
-    def write(self, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    def write(self, x: torch.Tensor, rows: torch.Tensor) -> None:
         x = x.float()
         lo = x.amin(dim=-1, keepdim=True)
         scale = (x.amax(dim=-1, keepdim=True) - lo).clamp_min(1e-8) / 255.0
         q = ((x - lo) / scale).round_().clamp_(0, 255).to(torch.uint8)
-        self.data[blocks, :, offsets] = q
-        self.scale[blocks, :, offsets] = scale
-        self.minimum[blocks, :, offsets] = lo
+        _write_rows(self.data, q, rows)
+        _write_rows(self.scale, scale, rows)
+        _write_rows(self.minimum, lo, rows)
 
     def gather(self, blocks: torch.Tensor, num_seqs: int, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         q = self.data.index_select(0, blocks)
@@ -73,6 +81,18 @@ class QuantizedBlockCache:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in (self.data, self.scale, self.minimum):
             t[dst] = t[src]
+
+
+def slot_rows(slots: torch.Tensor, heads: int, block_size: int) -> torch.Tensor:
+    """[T * heads] row of each (token, head) in a cache viewed as [num_blocks * heads * block_size, head_size];
+    computed once per step for all layers. A row copy (index_copy_) is ~10x faster than the equivalent
+    two-index assignment into the 4-d cache in a prefill step."""
+    blocks, offsets = slots // block_size, slots % block_size
+    return ((blocks.unsqueeze(1) * heads + torch.arange(heads)) * block_size + offsets.unsqueeze(1)).reshape(-1)
+
+
+def _write_rows(cache: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:
+    cache.view(-1, cache.shape[-1]).index_copy_(0, rows, x.reshape(-1, cache.shape[-1]))
 
 
 def _to_sequences(picked: torch.Tensor, num_seqs: int, num_blocks: int) -> torch.Tensor:

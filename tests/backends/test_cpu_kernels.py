@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache
+from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
 
 kernels, _ = load_kernels("auto")
 pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernel could not be built here")
@@ -47,7 +47,7 @@ def test_kernel_matches_torch(dtype, cache, window):
         used += nb
         slots = torch.arange(n)
         for c in caches:
-            c.write(torch.randn(n, HKV, D), table[b, slots // BS], slots % BS)
+            c.write(torch.randn(n, HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
     q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
     keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
     values = caches[1].gather(table.reshape(-1), len(lens), width, torch.float32)
