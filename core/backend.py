@@ -84,5 +84,9 @@ class Backend(abc.ABC):
         """One line for the start-up log: what was chosen (dtype, threads, kernels)."""
         return ""
 
+    def release_thread(self) -> None:
+        """The thread that ran steps stops doing so for now (``LLM.generate`` returns to its caller): undo what
+        was set on that thread for speed, such as pinning it to one CPU. The next ``execute`` may set it again."""
+
     def shutdown(self) -> None:
         """Release threads, processes and memory."""

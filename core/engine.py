@@ -289,6 +289,10 @@ class LLMEngine:
                                  min(m.first_token_time or now for m in group.members), now if finished else None)
         return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
 
+    def release_thread(self) -> None:
+        """The calling thread is done stepping for now; the backend undoes its per-thread settings."""
+        self.backend.release_thread()
+
     def shutdown(self) -> None:
         self.backend.shutdown()
 

@@ -86,6 +86,7 @@ class LLM:
             raise
         finally:
             bar.close()
+            engine.release_thread()  # the caller's thread is the user's: not left pinned to one CPU
         return [results[i] for i in ids]
 
     def shutdown(self) -> None:

@@ -93,6 +93,10 @@ class CPUBackend(Backend):
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.runner.execute(batch)
 
+    def release_thread(self) -> None:
+        if self.runner is not None:
+            self.runner.binder.release()
+
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.runner.copy_blocks(torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long))
 

@@ -1,6 +1,7 @@
 """cpu backend settings: dtype choice, KV cache dtypes, logs of what was chosen."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
 from pagedllm.backends.cpu.cpu_features import has_native_bf16
 from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
+from pagedllm.cpu_binding import process_cpus
 
 
 def test_dtype_choice():
@@ -57,6 +59,18 @@ def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
     assert "threads bound to CPUs" in text and "NUMA node" in text
     assert "TCMalloc" in text and "IPEX" in text
     assert "KV cache:" in text and "blocks of 16 tokens" in text
+
+
+@pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs")
+def test_the_calling_thread_is_pinned_only_while_the_model_runs(tiny_llama):
+    before = os.sched_getaffinity(0)
+    cpus = sorted(process_cpus())[:2]
+    llm = LLM(str(tiny_llama), kv_cache_space=0.01, max_model_len=128, cpu_omp_threads_bind=f"{cpus[0]},{cpus[1]}")
+    during = []
+    llm.engine.backend.runner.model.register_forward_pre_hook(lambda *_: during.append(os.sched_getaffinity(0)))
+    llm.generate(["a prompt", "another one"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert during and all(cpu_set == {cpus[0]} for cpu_set in during)
+    assert os.sched_getaffinity(0) == before  # the user's thread is not left on one CPU
 
 
 @pytest.mark.parametrize("kv_dtype, element", [("fp32", 4), ("bf16", 2)])
