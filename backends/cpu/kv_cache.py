@@ -85,8 +85,8 @@ class QuantizedBlockCache:
 
 def slot_rows(slots: torch.Tensor, heads: int, block_size: int) -> torch.Tensor:
     """[T * heads] row of each (token, head) in a cache viewed as [num_blocks * heads * block_size, head_size];
-    computed once per step for all layers. A row copy (index_copy_) is ~10x faster than the equivalent
-    two-index assignment into the 4-d cache in a prefill step."""
+    computed once per step for all layers. One row copy (index_copy_) beats the equivalent two-index assignment
+    into the 4-d cache (0.16 vs 0.23 ms for a 2048-token chunk, measured in isolation)."""
     blocks, offsets = slots // block_size, slots % block_size
     return ((blocks.unsqueeze(1) * heads + torch.arange(heads)) * block_size + offsets.unsqueeze(1)).reshape(-1)
 
