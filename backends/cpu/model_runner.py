@@ -20,7 +20,8 @@ logger = logging.getLogger("pagedllm.cpu")
 
 class ModelRunner:
     """One model replica and its KV cache. It runs on the calling thread (the engine's), whose OpenMP team is
-    pinned to the plan's CPUs on first use (see threads.py for why not a thread of its own)."""
+    pinned to the plan's CPUs from its first step until the engine releases it (see threads.py for why not a
+    thread of its own)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None) -> None:
