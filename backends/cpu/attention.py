@@ -1,10 +1,11 @@
 """Paged attention for transformers' model classes, registered as an attention implementation.
 
 transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens of the
-step packed into one row. We write the new keys and values into the layer's block cache first, then attend:
-decodes (one query token each) in one call of the C++ kernel, which reads the blocks in place (or, without
-it, a gather plus SDPA); prompt chunks with SDPA over their gathered blocks, padded to the longest chunk of
-their bucket (chunks are bucketed by length so that a 544-token prompt does not pad thirty 32-token ones).
+step packed into one row. The new keys and values go into the layer's block cache first, then we attend:
+decodes (one query token each) in one call of the C++ kernel, which stores their new rows itself and reads
+the blocks in place (or, without it, a gather plus SDPA); prompt chunks with SDPA over their gathered blocks,
+padded to the longest chunk of their bucket (chunks are bucketed by length so that a 544-token prompt does
+not pad thirty 32-token ones).
 Query heads that share a KV head are folded into rows, so no head repeat is materialized.
 """
 
@@ -90,6 +91,7 @@ class PagedAttentionMetadata:
             self.dec_num_blocks = -(-int(self.dec_lens.max()) // bs)
             self.dec_table = table[:nd, :self.dec_num_blocks].contiguous()
             self.dec_blocks = self.dec_table.reshape(-1)
+            self.dec_slots = self.slots[:nd]
 
         self.prefill_groups: list[PrefillGroup] = []
         if batch.num_seqs > nd:
@@ -131,18 +133,24 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     groups = num_heads // num_kv_heads
     dtype = query.dtype
 
-    rows = md.slot_rows(num_kv_heads)
-    k_cache.write(key[0].transpose(0, 1), rows)
-    v_cache.write(value[0].transpose(0, 1), rows)
+    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+    nd = md.num_decodes
+    # The kernel writes the decodes' keys and values itself (plain caches), the rest go through a row copy.
+    kernel_writes = bool(nd) and md.kernels is not None and k_cache.kernel_writes
+    first = nd if kernel_writes else 0
+    if first < num_tokens:
+        rows = md.slot_rows(num_kv_heads)[first * num_kv_heads:]
+        k_cache.write(new_keys[first:], rows)
+        v_cache.write(new_values[first:], rows)
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)
-    nd = md.num_decodes
     if nd and md.kernels is not None:
         md.kernels.paged_decode_attention(
             out[:nd], q[:nd], k_cache.data, v_cache.data, getattr(k_cache, "scale", None),
             getattr(k_cache, "minimum", None), getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None),
-            md.dec_table, md.dec_lens, dim ** -0.5 if scaling is None else scaling, window or -1)
+            md.dec_table, md.dec_lens, dim ** -0.5 if scaling is None else scaling, window or -1,
+            *((new_keys[:nd], new_values[:nd], md.dec_slots) if kernel_writes else ()))
     elif nd:
         keys = k_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         values = v_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)

@@ -1,6 +1,7 @@
-"""The C++ paged decode attention kernel (csrc/), compiled once per machine by torch's extension loader.
+"""The backend's C++ kernels (csrc/: paged decode attention, a float32 transpose, thread pinning), compiled once
+per machine by torch's extension loader.
 
-The build is cached under the pagedllm cache directory, keyed by the source, torch's version and the CPU's
+The build is cached under the pagedllm cache directory, keyed by the sources, torch's version and the CPU's
 flags (it is built with -march=native). ``PAGEDLLM_CPU_ATTENTION=torch`` skips it; ``=kernel`` makes a build
 failure an error instead of a fallback to the pure torch path.
 """
@@ -22,7 +23,7 @@ from pagedllm.model_source import cache_dir
 
 logger = logging.getLogger("pagedllm.cpu")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 MODES = ("auto", "kernel", "torch")
 
 
@@ -33,27 +34,27 @@ def load_kernels(mode: str = "auto"):
         raise ConfigError(f"PAGEDLLM_CPU_ATTENTION={mode!r}: use one of {', '.join(MODES)}")
     if mode == "torch":
         return None, "pure torch (PAGEDLLM_CPU_ATTENTION=torch)"
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.name.encode() + path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
-        logger.info("compiling the C++ paged attention kernel once for this machine (about a minute) in %s",
+        logger.info("compiling the C++ kernels once for this machine (about a minute) in %s",
                     build_dir)
     start = time.time()
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"pagedllm_cpu_kernels_{key}", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=f"pagedllm_cpu_kernels_{key}", sources=[str(path) for path in _SOURCES],
+                      build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:
         if mode == "kernel":
             raise
-        logger.warning("the C++ paged attention kernel could not be built (%s); using pure torch attention", exc)
+        logger.warning("the C++ kernels could not be built (%s); using pure torch attention", exc)
         return None, f"pure torch (the C++ kernel could not be built: {type(exc).__name__})"
     if fresh:
-        logger.info("compiled the paged attention kernel in %.0f s", time.time() - start)
+        logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
     return module, "C++ paged decode kernel + torch SDPA for prompts"
 
 

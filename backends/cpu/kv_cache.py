@@ -30,6 +30,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class BlockCache:
     """One layer's keys or values in the given dtype."""
 
+    kernel_writes = True  # the C++ decode kernel can store rows of this cache itself
+
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
         self.data = lazy_zeros((num_blocks, heads, block_size, head_size), dtype)
@@ -53,6 +55,8 @@ class BlockCache:
 
 class QuantizedBlockCache:
     """u8 values with a float32 scale and minimum per token and head: x ~ q * scale + minimum."""
+
+    kernel_writes = False  # quantized in torch before the kernel runs
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int) -> None:
         self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)

@@ -13,7 +13,9 @@ import torch
 from pagedllm import Batch, ModelInfo
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
+from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.threads import ThreadBinder
+from pagedllm.backends.cpu.weight_major import use_weight_major_linears
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -43,6 +45,8 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
+        use_weight_major_linears(self.model, self.kernels)
+        use_fused_rms_norms(self.model, self.kernels)
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
@@ -85,3 +89,4 @@ class ModelRunner:
         for keys, values in self.kv_caches:
             keys.copy_blocks(src, dst)
             values.copy_blocks(src, dst)
+

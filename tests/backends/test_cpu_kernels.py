@@ -60,3 +60,45 @@ def test_kernel_matches_torch(dtype, cache, window):
                                    torch.tensor(lens), scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, torch.bfloat16)])
+def test_kernel_stores_the_new_rows_it_is_given(dtype, cache):
+    """Given this step's keys and values, the kernel writes them into their slots before attending: the same
+    cache contents and output as a row copy followed by the kernel."""
+    torch.manual_seed(1)
+    lens = [1, 16, 17, 33]
+    num_blocks = 16
+    width = max(-(-n // BS) for n in lens)
+    table = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
+    positions = torch.tensor(lens) - 1
+    slots = table[torch.arange(len(lens)), positions // BS] * BS + positions % BS
+    q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
+    # [T, Hkv, D] views with the strides transformers hands over (head-major underneath)
+    new_k = torch.randn(HKV, len(lens), D).to(dtype).transpose(0, 1)
+    new_v = torch.randn(HKV, len(lens), D).to(dtype).transpose(0, 1)
+    outputs, contents = [], []
+    for in_kernel in (False, True):
+        k, v = (BlockCache(num_blocks, HKV, BS, D, cache) for _ in range(2))
+        torch.manual_seed(2)
+        for c in (k, v):
+            c.data.copy_(torch.randn(c.data.shape))
+        if not in_kernel:
+            rows = slot_rows(slots, HKV, BS)
+            k.write(new_k, rows)
+            v.write(new_v, rows)
+        out = torch.empty_like(q)
+        extra = dict(new_keys=new_k, new_values=new_v, slots=slots) if in_kernel else {}
+        kernels.paged_decode_attention(out, q, k.data, v.data, None, None, None, None, table, torch.tensor(lens),
+                                       D ** -0.5, -1, **extra)
+        outputs.append(out)
+        contents.append((k.data.clone(), v.data.clone()))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
+    torch.testing.assert_close(contents[1], contents[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (8, 8), (576, 64), (13, 67), (192, 5)])
+def test_transpose_is_exact(rows, cols):
+    x = torch.randn(rows, cols)
+    assert torch.equal(kernels.transpose2d(x), x.t().contiguous())

@@ -1,0 +1,40 @@
+"""Llama-family RMSNorm layers run as one C++ call per layer instead of seven torch ops.
+
+A module qualifies when its forward is Llama's RMSNorm forward, bytecode for bytecode (Mistral, Qwen2, Qwen3 and
+Phi-3 copy it; Gemma's differs and keeps its own). The fused kernel computes the same float32 expression; only the
+order of the sum of squares differs, so results agree to float32 rounding. Measured on SmolLM2 at a 64-row decode
+step: ~15 ms of ~300 went to these layers in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def use_fused_rms_norms(model: torch.nn.Module, kernels) -> None:
+    if kernels is None:
+        return
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    llama = _code_of(LlamaRMSNorm.forward)
+    for module in model.modules():
+        if (_code_of(type(module).forward) == llama
+                and getattr(module, "weight", None) is not None
+                and module.weight.dtype in (torch.float32, torch.bfloat16)):
+            module.forward = _fused_forward(module, kernels)
+
+
+def _code_of(function) -> tuple:
+    code = getattr(function, "__code__", None)
+    return (code.co_code, code.co_names, code.co_consts) if code is not None else ()
+
+
+def _fused_forward(norm: torch.nn.Module, kernels):
+    weight, eps, unfused = norm.weight, float(norm.variance_epsilon), norm.forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype != weight.dtype or not hidden_states.is_contiguous():
+            return unfused(hidden_states)
+        return kernels.rms_norm(hidden_states, weight, eps)
+
+    return forward
