@@ -23,7 +23,7 @@ def test_greedy_siblings_equal_the_single_sequence(llm, prompt_len):
 
 def test_siblings_share_full_blocks_and_copy_the_partial_one(llm):
     engine = llm.engine
-    prompt = random_prompts([37], seed=5)[0]  # 2 full blocks + 5 tokens
+    prompt = random_prompts([2 * engine.config.block_size + 5], seed=5)[0]  # 2 full blocks + 5 tokens
     engine.add_request("g", prompt, SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True))
     outputs = engine.step()  # prefill + fork + first tokens
     assert [c.index for c in outputs[0].outputs] == [0, 1, 2]

@@ -46,7 +46,9 @@ def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torc
 
 class CPUBackend(Backend):
     name = "cpu"
-    default_block_size = 16
+    # 8, not vLLM's 16: half a block per sequence is what a paged cache wastes; at 8 that is <1% of W1's slots at
+    # its peak (16: 2.8%), for ~2% of a decode step (the kernel reads 2 KiB runs instead of 4 KiB; measured).
+    default_block_size = 8
     writes_kv_before_attention = True  # see attention.paged_attention: write, then attend
     env_vars = {
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
