@@ -1,5 +1,5 @@
-"""The backend's C++ kernels (csrc/: paged decode attention, a float32 transpose, thread pinning), compiled once
-per machine by torch's extension loader.
+"""The backend's C++ kernels (csrc/: paged decode attention, RMSNorm, a float32 transpose, thread pinning),
+compiled once per machine by torch's extension loader.
 
 The build is cached under the pagedllm cache directory, keyed by the sources, torch's version and the CPU's
 flags (it is built with -march=native). ``PAGEDLLM_CPU_ATTENTION=torch`` skips it; ``=kernel`` makes a build
@@ -47,7 +47,9 @@ def load_kernels(mode: str = "auto"):
         from torch.utils.cpp_extension import load
 
         module = load(name=f"pagedllm_cpu_kernels_{key}", sources=[str(path) for path in _SOURCES],
-                      build_directory=str(build_dir), extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
+                      build_directory=str(build_dir),
+                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                      verbose=False)
     except Exception as exc:
         if mode == "kernel":
             raise
@@ -55,7 +57,8 @@ def load_kernels(mode: str = "auto"):
         return None, f"pure torch (the C++ kernel could not be built: {type(exc).__name__})"
     if fresh:
         logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
-    return module, "C++ paged decode kernel + torch SDPA for prompts"
+    return module, ("C++ kernels (paged decode attention, RMSNorm, transpose for small-batch matmuls) + torch SDPA "
+                    "for prompts")
 
 
 def attention_mode() -> str:

@@ -19,6 +19,7 @@ def test_weight_major_linear_matches_nn_linear(use_kernels, bias, rows):
     x = torch.randn(1, rows, 96)
     expected = model(x)
     use_weight_major_linears(model, kernels)
+    assert all("forward" in layer.__dict__ for layer in model)  # both layers took the path
     got = model(x)
     assert got.shape == expected.shape and got.is_contiguous()
     if rows > MAX_ROWS:
