@@ -6,19 +6,16 @@ Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's p
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
-import os
 
 import torch
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros from an anonymous mapping: the kernel hands out zero pages on first touch, so a large cache costs
-    no start-up time and no resident memory until blocks are used (ResidentFrontier makes them resident ahead of
-    use). Transparent huge pages are asked for: populated as a range they cost 0.12 s per GiB here, 4 KiB pages
-    0.5 s, and fewer TLB misses for the decode kernel's block reads."""
+    no start-up time and no resident memory until blocks are used. Transparent huge pages are asked for: first
+    writes into 4 KiB pages cost ~2 s per GiB here (a fault per page in a VM), into 2 MiB pages ~0.1 s."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -38,7 +35,6 @@ class BlockCache:
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
         self.data = lazy_zeros((num_blocks, heads, block_size, head_size), dtype)
-        self.tensors = [self.data]
 
     @staticmethod
     def bytes_per_token_head(head_size: int, dtype: torch.dtype) -> int:
@@ -66,7 +62,6 @@ class QuantizedBlockCache:
         self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)
         self.scale = lazy_zeros((num_blocks, heads, block_size, 1), torch.float32)
         self.minimum = lazy_zeros((num_blocks, heads, block_size, 1), torch.float32)
-        self.tensors = [self.data, self.scale, self.minimum]
 
     @staticmethod
     def bytes_per_token_head(head_size: int, dtype: torch.dtype | None = None) -> int:
@@ -109,53 +104,6 @@ def _to_sequences(picked: torch.Tensor, num_seqs: int, num_blocks: int) -> torch
     _, heads, bs, dim = picked.shape
     return picked.view(num_seqs, num_blocks, heads, bs, dim).transpose(1, 2).reshape(num_seqs, heads,
                                                                                     num_blocks * bs, dim)
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not in Python's mmap module
-_PAGE = mmap.PAGESIZE
-
-
-class ResidentFrontier:
-    """Makes the caches' pages resident ahead of the blocks that steps write, a chunk at a time.
-
-    The caches are lazy mappings (lazy_zeros), so the first write into a page faults. Faulting 2 MiB pages one at a
-    time inside a step measured 1.5-1.9 s per GiB here (~0.3 s of a 2048-token prefill step of SmolLM2), against
-    0.12 s per GiB for one MADV_POPULATE_WRITE over a range. A fresh allocator hands out blocks in ascending id
-    order, so a frontier moved up past the highest block a step writes keeps nearly all first writes out of the
-    steps, while memory still becomes resident only as the cache fills. Where the kernel lacks the call (before
-    Linux 5.14), pages fault on first write as before.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor], num_blocks: int, chunk_bytes: int = 256 << 20) -> None:
-        self.tensors = tensors  # each [num_blocks, ...], from lazy_zeros
-        self.num_blocks = num_blocks
-        per_block = sum(t[0].nbytes for t in tensors) if num_blocks else 1
-        self.chunk_blocks = max(1, chunk_bytes // per_block)
-        self.frontier = 0  # blocks [0, frontier) are resident
-        self._madvise = _libc_madvise()
-
-    def ensure(self, blocks: int) -> None:
-        """Blocks [0, blocks) resident, plus a chunk beyond."""
-        if blocks <= self.frontier or self._madvise is None:
-            return
-        end = min(self.num_blocks, max(blocks, self.frontier + self.chunk_blocks))
-        for t in self.tensors:
-            per_block = t[0].nbytes
-            start = (t.data_ptr() + self.frontier * per_block) // _PAGE * _PAGE
-            stop = t.data_ptr() + end * per_block
-            if self._madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_POPULATE_WRITE) != 0:
-                self._madvise = None  # unsupported here: leave it to page faults
-                return
-        self.frontier = end
-
-
-def _libc_madvise():
-    if not hasattr(os, "sched_getaffinity"):  # not Linux
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
 
 
 def make_layer_caches(kind: str, num_blocks: int, heads: int, block_size: int, head_size: int,

@@ -35,7 +35,6 @@ class ModelRunner:
         self.kernels = kernels
         self.model = None
         self.kv_caches: list[tuple] = []
-        self.residency: kv_cache.ResidentFrontier | None = None
 
     def load(self) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -71,14 +70,10 @@ class ModelRunner:
         self.kv_caches = [kv_cache.make_layer_caches(self.cache_kind, num_blocks, self.num_kv_heads, block_size,
                                                      self.head_size, self.cache_dtype)
                           for _ in range(self.num_layers)]
-        self.residency = kv_cache.ResidentFrontier(
-            [t for layer in self.kv_caches for cache in layer for t in cache.tensors], num_blocks)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         self.binder.ensure_bound()
-        if len(batch.slot_mapping):
-            self.residency.ensure(int(batch.slot_mapping.max()) // batch.block_size + 1)
         metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels)
         out = self.model(
             input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
