@@ -1,16 +1,20 @@
-"""pagedllm beside vLLM CPU 0.32.0 and plain transformers ``generate``, on the same token ids, in one run.
+"""pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI and plain transformers ``generate``, same token ids, one run.
 
 W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
 tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. Each case runs in a process of
 its own (so start-up is measured from cold), the engines alternating within each round; the summary takes the
-median over rounds and prints the ratios pagedllm / vLLM and pagedllm / transformers.
+median over rounds and prints the ratios of each pagedllm backend to its peers: the cpu backend (``pagedllm``)
+to vLLM CPU and transformers, the openvino backend (``pagedllm-openvino``) to OpenVINO GenAI's continuous batching
+on the same IR, with the same KV-cache precision, token budget and threads (and to vLLM).
 
 vLLM lives in its own virtual environment (made on first use, cached: see vllm_cpu_env.py) and reads the model
-as a Hugging Face folder: by default the one pagedllm converts SmolLM2-135M-Instruct's GGUF into. If vLLM cannot
-be set up or run here, the harness says why and still runs pagedllm and transformers.
+as a Hugging Face folder: by default the one pagedllm converts SmolLM2-135M-Instruct's GGUF into. OpenVINO GenAI
+runs in this environment (``pip install openvino-genai`` matching openvino) on pagedllm's cached export. If a peer
+cannot be set up or run here, the harness says why and runs the others.
 
-    python benchmarks/compare_vllm.py                 # W1 and W2, one round
+    python benchmarks/compare_vllm.py                 # W1 and W2, one round: pagedllm, vLLM, transformers
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
+    python benchmarks/compare_vllm.py --engines pagedllm-openvino,openvino-genai   # the openvino backend's bar
     python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
 """
 
@@ -27,21 +31,32 @@ import sys
 import time
 from pathlib import Path
 
+import openvino_genai_offline
 import vllm_cpu_env
 
 HERE = Path(__file__).resolve().parent
 THREADS_BIND = "0-1"
+THREAD_COUNT = 2  # of THREADS_BIND, for OpenVINO GenAI, which takes a count
+OV_KV_TYPES = {"fp16": "f16", "u8": "u8", "fp32": "f32", "bf16": "bf16"}  # --kv-cache-dtype -> OpenVINO's name
 KV_CACHE_SPACE = "4"
 
 # name -> (num_prompts, input_len, output_len, prefix_len)
 WORKLOADS = {"W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512)}
 SMOKE_WORKLOADS = {"W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128)}
 
+ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai")
+DEFAULT_ENGINES = "pagedllm,vllm,transformers"
+TITLES = {"pagedllm": "pagedllm", "vllm": "vLLM CPU", "transformers": "transformers",
+          "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI"}
+# (ours, peer): the ratios the summary prints when both ran
+PAIRS = (("pagedllm", "vllm"), ("pagedllm", "transformers"), ("pagedllm-openvino", "openvino-genai"),
+         ("pagedllm-openvino", "vllm"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     workload: str  # W1 / W2
-    engine: str  # pagedllm / vllm / transformers
+    engine: str  # one of ENGINES
     prefix_caching: bool | None  # None: the engine has none (transformers)
 
     @property
@@ -73,7 +88,8 @@ class Harness:
         self.work_dir = work_dir
         self.hf_dir = hf_dir
         self.dtype = args.dtype
-        self.vllm_unavailable: str | None = None
+        self.unavailable: dict[str, str] = {}  # engine -> why it has no numbers
+        self.genai_dir: Path | None = None
         self.venv = args.vllm_venv
         self.tcmalloc: str | None = None
         self.results: dict[Case, list[dict]] = {}
@@ -94,12 +110,25 @@ class Harness:
                 self.tcmalloc = vllm_cpu_env.ensure_tcmalloc(log)
                 record = vllm_cpu_env.ensure_venv(self.venv, log)
         except (subprocess.CalledProcessError, OSError) as exc:
-            self.vllm_unavailable = f"the setup failed ({exc}); see {log_path}"
+            self.unavailable["vllm"] = f"the setup failed ({exc}); see {log_path}"
             return
         print(f"vLLM venv ready: {self.venv} (its setup took {record['setup_seconds']:.0f} s)", flush=True)
         reason = vllm_cpu_env.probe_vllm(self.venv, self.vllm_env())
         if reason:
-            self.vllm_unavailable = f"`import vllm` fails in {self.venv}: {reason}"
+            self.unavailable["vllm"] = f"`import vllm` fails in {self.venv}: {reason}"
+
+    # -- OpenVINO GenAI -----------------------------------------------------------------------------------
+    def prepare_genai(self, model_source) -> None:
+        """GenAI's model folder: pagedllm's cached fp32 export (made now if missing) plus the tokenizer as IR."""
+        reason = openvino_genai_offline.unavailable_reason()
+        if reason:
+            self.unavailable["openvino-genai"] = reason
+            return
+        from pagedllm.backends.openvino.export_cache import exported_model
+
+        ir_dir = exported_model(self.hf_dir, model_source.name, "fp32")
+        print(f"OpenVINO GenAI reads pagedllm's export {ir_dir}", flush=True)
+        self.genai_dir = openvino_genai_offline.prepare_model(ir_dir, self.hf_dir, self.work_dir / "openvino-genai-model")
 
     def vllm_env(self) -> dict[str, str]:
         return vllm_cpu_env.vllm_environ(self.venv, THREADS_BIND, KV_CACHE_SPACE, self.tcmalloc)
@@ -113,14 +142,22 @@ class Harness:
             return [str(vllm_cpu_env.venv_python(self.venv)), str(HERE / "vllm_offline.py"), *common, *caching], \
                 self.vllm_env()
         env = dict(os.environ)  # LD_PRELOAD of tcmalloc, if wanted for these too, comes from the caller
-        if case.engine == "pagedllm":
-            env.update(VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE)
-            return [sys.executable, "-m", "pagedllm.bench", "throughput", *common, *caching,
-                    *shlex.split(self.args.pagedllm_args)], env
+        if case.engine in ("pagedllm", "pagedllm-openvino"):
+            env.update(VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE,
+                       VLLM_OPENVINO_KVCACHE_SPACE=KV_CACHE_SPACE)
+            extra = (["--backend", "openvino", "--kv-cache-dtype", self.args.openvino_kv_cache]
+                     if case.engine == "pagedllm-openvino" else shlex.split(self.args.pagedllm_args))
+            return [sys.executable, "-m", "pagedllm.bench", "throughput", *common, *caching, *extra], env
+        if case.engine == "openvino-genai":
+            dtype = "float32" if self.dtype == "auto" else self.dtype
+            return [sys.executable, str(HERE / "openvino_genai_offline.py"), "--model", str(self.genai_dir),
+                    "--workload", str(workload_path), "--output-json", str(out), "--dtype", dtype,
+                    "--kv-cache-precision", OV_KV_TYPES[self.args.openvino_kv_cache], "--threads", str(THREAD_COUNT),
+                    "--kv-cache-space", KV_CACHE_SPACE, *caching], env
         return [sys.executable, str(HERE / "transformers_baseline.py"), *common], env
 
     def run(self, case: Case, workload_path: Path, round_index: int) -> None:
-        if case.engine == "vllm" and self.vllm_unavailable:
+        if case.engine in self.unavailable:
             return
         out = self.work_dir / f"{case.slug}-run{round_index}.json"
         log_path = out.with_suffix(".log")
@@ -137,7 +174,7 @@ class Harness:
         if returncode == 0 and out.is_file():
             result = json.loads(out.read_text())
             self.results.setdefault(case, []).append(result)
-            if case.engine == "pagedllm" and self.dtype == "auto":
+            if case.engine.startswith("pagedllm") and self.dtype == "auto":
                 self.dtype = result["engine"]["dtype"]  # the others run in the dtype pagedllm chose
             print(f"{result['output_tokens_per_second']:.1f} output tok/s, {result['requests_per_second']:.2f} "
                   f"req/s, start-up {result['startup_seconds']:.1f} s ({time.time() - start:.0f} s)", flush=True)
@@ -147,9 +184,9 @@ class Harness:
                   else vllm_cpu_env.describe_failure(returncode, tail))
         self.failures[case] = f"{reason}\n(full log: {log_path})"
         print(f"FAILED: {reason.splitlines()[0]} (log: {log_path})", flush=True)
-        if case.engine == "vllm":
-            self.vllm_unavailable = f"its run failed: {reason}"
-        if case.engine == "pagedllm":
+        if not case.engine.startswith("pagedllm"):
+            self.unavailable[case.engine] = f"its run failed: {reason}"
+        else:
             raise SystemExit(f"pagedllm failed on {case.label}:\n{reason}\n(log: {log_path})")
 
 
@@ -169,69 +206,79 @@ def _ratio(a: float | None, b: float | None, higher_is_better: bool = True) -> s
     return f"{(a / b if higher_is_better else b / a):.2f}x"
 
 
-def summarize(h: Harness, workloads: list[str]) -> dict:
+def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
     def med(workload: str, engine: str, caching: bool | None, key: str) -> float | None:
-        return _median(h.results.get(Case(workload, engine, caching)), key)
+        return _median(h.results.get(Case(workload, engine, None if engine == "transformers" else caching)), key)
 
+    pairs = [(a, b) for a, b in PAIRS if a in engines and b in engines]
     rows = []
     for workload in workloads:
-        modes = [None] if workload == "W1" else [True, False]
-        for caching in modes:
-            on = caching if caching is not None else False
-            key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
-            unit = "output tok/s" if workload == "W1" else "req/s"
-            label = f"{workload} {unit}" + ("" if caching is None else f", prefix caching {'on' if on else 'off'}")
-            ours, vllm = med(workload, "pagedllm", on, key), med(workload, "vllm", on, key)
-            hf = med(workload, "transformers", None, key)
-            rows.append({"metric": label, "pagedllm": ours, "vllm": vllm, "transformers": hf,
-                         "format": ".1f" if workload == "W1" else ".2f"})
-        ours_start = med(workload, "pagedllm", workload == "W2", "startup_seconds")
-        vllm_start = med(workload, "vllm", workload == "W2", "startup_seconds")
-        rows.append({"metric": f"{workload} start-up s", "pagedllm": ours_start, "vllm": vllm_start,
-                     "transformers": med(workload, "transformers", None, "startup_seconds"), "format": ".1f",
-                     "lower_is_better": True})
+        key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
+        unit = "output tok/s" if workload == "W1" else "req/s"
+        for caching in ([False] if workload == "W1" else [True, False]):
+            label = f"{workload} {unit}" + ("" if workload == "W1" else f", prefix caching {'on' if caching else 'off'}")
+            rows.append({"metric": label, "format": ".1f" if workload == "W1" else ".2f",
+                         **{e: med(workload, e, caching, key) for e in engines}})
+        rows.append({"metric": f"{workload} start-up s", "format": ".1f", "lower_is_better": True,
+                     **{e: med(workload, e, workload == "W2", "startup_seconds") for e in engines}})
 
     print("\n" + "=" * 110)
-    print(f"{'':38}{'pagedllm':>11}{'vLLM CPU':>11}{'transformers':>14}{'pagedllm/vLLM':>16}"
-          f"{'pagedllm/transformers':>24}")
+    print(f"{'':38}" + "".join(f"{TITLES[e]:>13}" for e in engines)
+          + "".join(f"{TITLES[a] + '/' + TITLES[b]:>24}" for a, b in pairs))
     for row in rows:
         better = not row.get("lower_is_better")
-        spec = row["format"]
-        print(f"{row['metric']:<38}{_fmt(row['pagedllm'], spec):>11}{_fmt(row['vllm'], spec):>11}"
-              f"{_fmt(row['transformers'], spec):>14}"
-              f"{_ratio(row['pagedllm'], row['vllm'], better):>16}"
-              f"{_ratio(row['pagedllm'], row['transformers'], better):>24}")
+        print(f"{row['metric']:<38}" + "".join(f"{_fmt(row[e], row['format']):>13}" for e in engines)
+              + "".join(f"{_ratio(row[a], row[b], better):>24}" for a, b in pairs))
     notes = []
     if "W2" in workloads:
-        for engine, name in (("pagedllm", "pagedllm"), ("vllm", "vLLM")):
+        for engine in engines:
             on = med("W2", engine, True, "requests_per_second")
             off = med("W2", engine, False, "requests_per_second")
             hit = med("W2", engine, True, "prefix_cache_hit_rate")
-            if on is not None and off is not None:
-                notes.append(f"W2 {name}: prefix caching on/off {_ratio(on, off)}, hit rate "
-                             f"{_fmt(None if hit is None else 100 * hit)}%")
+            if on is not None and off is not None and engine != "transformers":
+                notes.append(f"W2 {TITLES[engine]}: prefix caching on/off {_ratio(on, off)}"
+                             + ("" if hit is None else f", hit rate {100 * hit:.1f}%"))
     for workload in workloads:
-        waste = med(workload, "pagedllm", workload == "W2", "kv_waste_at_peak")
-        blocks = med(workload, "pagedllm", workload == "W2", "peak_kv_blocks")
-        preempt = med(workload, "pagedllm", workload == "W2", "num_preemptions")
-        notes.append(f"{workload} pagedllm: KV waste at peak {_fmt(None if waste is None else 100 * waste, '.2f')}%, "
-                     f"peak KV blocks {_fmt(blocks, '.0f')}, preemptions {_fmt(preempt, '.0f')}")
+        for engine in (e for e in engines if e.startswith("pagedllm")):
+            waste = med(workload, engine, workload == "W2", "kv_waste_at_peak")
+            blocks = med(workload, engine, workload == "W2", "peak_kv_blocks")
+            preempt = med(workload, engine, workload == "W2", "num_preemptions")
+            notes.append(f"{workload} {TITLES[engine]}: KV waste at peak "
+                         f"{_fmt(None if waste is None else 100 * waste, '.2f')}%, peak KV blocks "
+                         f"{_fmt(blocks, '.0f')}, preemptions {_fmt(preempt, '.0f')}")
+    notes.extend(_token_agreement(h, workloads, pairs))
     for note in notes:
         print(note)
-    print("ratios say how many times better pagedllm is: throughput pagedllm/other, start-up other/pagedllm")
+    print("ratios say how many times better the first engine is: throughput first/second, start-up second/first")
     rounds = max((len(v) for v in h.results.values()), default=0)
     print(f"dtype {h.dtype}; median of {rounds} round(s); VLLM_CPU_OMP_THREADS_BIND={THREADS_BIND}, "
-          f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_SPACE}")
-    if h.args.skip_vllm:
-        print("vLLM CPU: skipped (--skip-vllm)")
-    elif h.vllm_unavailable:
-        print(f"vLLM CPU is UNAVAILABLE on this machine, so it has no numbers: {h.vllm_unavailable}")
+          f"KV cache {KV_CACHE_SPACE} GiB" + (f"; openvino KV cache {h.args.openvino_kv_cache} for pagedllm-ov and "
+                                            f"OV GenAI" if "pagedllm-openvino" in engines else ""))
+    for engine, reason in h.unavailable.items():
+        print(f"{TITLES[engine]} is UNAVAILABLE here, so it has no numbers: {reason}")
     for case, reason in h.failures.items():
         print(f"failed: {case.label}: {reason}")
     print("=" * 110)
-    return {"rows": rows, "notes": notes, "dtype": h.dtype, "rounds": rounds, "vllm_unavailable": h.vllm_unavailable,
-            "failures": {c.label: r for c, r in h.failures.items()},
+    return {"rows": rows, "notes": notes, "dtype": h.dtype, "rounds": rounds, "engines": engines,
+            "unavailable": h.unavailable, "failures": {c.label: r for c, r in h.failures.items()},
             "results": {c.slug: r for c, r in h.results.items()}}
+
+
+def _token_agreement(h: Harness, workloads: list[str], pairs: list[tuple[str, str]]) -> list[str]:
+    """Whether the paired engines' greedy output for the first request starts with the same tokens (same work)."""
+    lines = []
+    for workload in workloads:
+        for a, b in pairs:
+            if b == "transformers":
+                continue
+            caching = False
+            first = [r.get("first_output_token_ids") for r in h.results.get(Case(workload, a, caching), [])[:1]]
+            second = [r.get("first_output_token_ids") for r in h.results.get(Case(workload, b, caching), [])[:1]]
+            if first and second and first[0] and second[0]:
+                same = first[0] == second[0]
+                lines.append(f"{workload} first request, first {len(first[0])} greedy tokens: {TITLES[a]} and "
+                             f"{TITLES[b]} {'agree' if same else 'DIFFER: ' + str(first[0]) + ' vs ' + str(second[0])}")
+    return lines
 
 
 def parse_args() -> argparse.Namespace:
@@ -246,9 +293,15 @@ def parse_args() -> argparse.Namespace:
                              "numbers mean nothing")
     parser.add_argument("--dtype", default="auto",
                         help="dtype for all engines; auto = what pagedllm's auto picks here (default)")
-    parser.add_argument("--pagedllm-args", default="", help="extra flags for pagedllm, e.g. '--backend openvino'")
-    parser.add_argument("--skip-vllm", action="store_true", help="run only pagedllm and transformers")
-    parser.add_argument("--skip-transformers", action="store_true", help="leave out the transformers baseline")
+    parser.add_argument("--engines", default=DEFAULT_ENGINES,
+                        help=f"comma-separated, from {', '.join(ENGINES)} (default {DEFAULT_ENGINES}); "
+                             f"pagedllm-openvino is pagedllm --backend openvino")
+    parser.add_argument("--pagedllm-args", default="", help="extra flags for the pagedllm engine, e.g. '--block-size 16'")
+    parser.add_argument("--openvino-kv-cache", default="fp16", choices=sorted(OV_KV_TYPES),
+                        help="KV-cache precision of pagedllm-openvino and OpenVINO GenAI (default fp16, what both "
+                             "use by default on CPUs without native bf16)")
+    parser.add_argument("--skip-vllm", action="store_true", help="leave vLLM out of --engines")
+    parser.add_argument("--skip-transformers", action="store_true", help="leave transformers out of --engines")
     parser.add_argument("--vllm-venv", type=Path, default=None,
                         help="vLLM's virtual environment (default: $PAGEDLLM_VLLM_VENV or "
                              "~/.cache/pagedllm/vllm-cpu-venv); made on first use")
@@ -264,6 +317,15 @@ def parse_args() -> argparse.Namespace:
     if unknown or not names:
         parser.error(f"--workloads: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(WORKLOADS)}")
     args.workloads = names
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        parser.error(f"--engines: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(ENGINES)}")
+    skipped = {"vllm"} if args.skip_vllm else set()
+    skipped |= {"transformers"} if args.skip_transformers else set()
+    args.engines = [e for e in dict.fromkeys(engines) if e not in skipped]
+    if not args.engines:
+        parser.error("no engine left to run")
     if args.runs < 1:
         parser.error("--runs must be at least 1")
     return args
@@ -289,20 +351,19 @@ def main() -> None:
         print(f"{name}: {workload.name} -> {paths[name]}", flush=True)
 
     harness = Harness(args, work_dir, source.hf_dir)
-    engines = ["pagedllm"]
-    if not args.skip_vllm:
+    engines = args.engines
+    if "vllm" in engines:
         harness.prepare_vllm()
-        engines.append("vllm")
-        if harness.vllm_unavailable:
-            print(f"vLLM CPU is unavailable: {harness.vllm_unavailable}\nrunning without it", flush=True)
-    if not args.skip_transformers:
-        engines.append("transformers")
+    if "openvino-genai" in engines:
+        harness.prepare_genai(source)
+    for engine, reason in harness.unavailable.items():
+        print(f"{TITLES[engine]} is unavailable: {reason}\nrunning without it", flush=True)
 
     for round_index in range(1, args.runs + 1):
         for name in args.workloads:
             for case in cases_for(name, engines):
                 harness.run(case, paths[name], round_index)
-    summary = summarize(harness, args.workloads)
+    summary = summarize(harness, args.workloads, engines)
     summary.update({"smoke": args.smoke, "model": source.name, "hf_dir": str(source.hf_dir),
                     "workloads": {name: shapes[name] for name in args.workloads}})
     out = args.output_json or work_dir / "summary.json"

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from rates import rate_fields
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,16 +59,7 @@ def main() -> None:
     num_prompt = sum(len(r["prompt_token_ids"]) for r in requests)
     num_output = sum(r["output_len"] for r in requests)
     results = {
-        "workload": workload["name"],
-        "num_requests": len(requests),
-        "elapsed_time": elapsed,
-        "total_prompt_tokens": num_prompt,
-        "total_output_tokens": num_output,
-        "total_num_tokens": num_prompt + num_output,
-        "requests_per_second": len(requests) / elapsed,
-        "tokens_per_second": (num_prompt + num_output) / elapsed,
-        "output_tokens_per_second": num_output / elapsed,
-        "startup_seconds": startup,
+        **rate_fields(workload["name"], len(requests), num_prompt, num_output, elapsed, startup),
         "engine": {"name": "transformers", "model": args.model, "dtype": args.dtype, "batch_size": args.batch_size,
                    "threads": torch.get_num_threads()},
     }

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from rates import rate_fields
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,20 +49,12 @@ def main() -> None:
     import vllm
 
     results = {
-        "workload": workload["name"],
-        "num_requests": len(outputs),
-        "elapsed_time": elapsed,
-        "total_prompt_tokens": num_prompt,
-        "total_output_tokens": num_output,
-        "total_num_tokens": num_prompt + num_output,
-        "requests_per_second": len(outputs) / elapsed,
-        "tokens_per_second": (num_prompt + num_output) / elapsed,
-        "output_tokens_per_second": num_output / elapsed,
-        "startup_seconds": startup,
+        **rate_fields(workload["name"], len(outputs), num_prompt, num_output, elapsed, startup),
         "prefix_cache_queried_tokens": queries,
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "num_preemptions": counters.get("vllm:num_preemptions"),
+        "first_output_token_ids": list(outputs[0].outputs[0].token_ids[:16]),
         "engine": {"name": "vllm", "version": vllm.__version__, "model": args.model,
                    "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
                    "enable_prefix_caching": args.enable_prefix_caching},

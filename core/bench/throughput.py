@@ -76,6 +76,7 @@ def _results(engine, workload: Workload, outputs, elapsed: float, startup: float
         "prefix_cache_hit_rate": cache.hits / cache.queries if cache is not None and cache.queries else None,
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_steps": engine.stats.steps,
+        "first_output_token_ids": list(outputs[0].outputs[0].token_ids[:16]) if outputs else [],
         "engine": {"model": engine.source.name, "backend": config.backend, "dtype": engine.model_info.dtype,
                    "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens,

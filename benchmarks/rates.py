@@ -1,0 +1,21 @@
+"""The rate fields every runner's results JSON shares (named as ``pagedllm bench throughput`` names them).
+
+Plain Python with no imports, so the runners that live in other environments (vllm_offline.py in vLLM's venv) can
+use it too: the script's own folder is on their import path.
+"""
+
+
+def rate_fields(workload: str, num_requests: int, num_prompt: int, num_output: int, elapsed: float,
+                startup: float) -> dict:
+    return {
+        "workload": workload,
+        "num_requests": num_requests,
+        "elapsed_time": elapsed,
+        "total_prompt_tokens": num_prompt,
+        "total_output_tokens": num_output,
+        "total_num_tokens": num_prompt + num_output,
+        "requests_per_second": num_requests / elapsed,
+        "tokens_per_second": (num_prompt + num_output) / elapsed,
+        "output_tokens_per_second": num_output / elapsed,
+        "startup_seconds": startup,
+    }

@@ -1,0 +1,44 @@
+"""benchmarks/compare_vllm.py end to end on a tiny model: each engine runs in its own process, the openvino backend
+beside OpenVINO GenAI on the same IR, and the summary pairs them (its numbers mean nothing at this size)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.backends.openvino.backend import OpenVINOBackend
+
+OPENVINO, WHY_NOT = OpenVINOBackend.is_available()
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "benchmarks" / "compare_vllm.py"
+
+
+@pytest.mark.skipif(not OPENVINO, reason=f"openvino backend unavailable: {WHY_NOT}")
+@pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None, reason="openvino-genai is not installed")
+def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tmp_path):
+    engines = ["pagedllm", "pagedllm-openvino", "openvino-genai"]
+    work = tmp_path / "work"
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), "--smoke", "--workloads", "W1", "--engines", ",".join(engines),
+         "--openvino-kv-cache", "fp32", "--model", str(tiny_llama), "--work-dir", str(work)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["engines"] == engines and not summary["unavailable"] and not summary["failures"]
+    throughput = summary["rows"][0]
+    assert throughput["metric"] == "W1 output tok/s" and all(throughput[e] > 0 for e in engines)
+    assert summary["results"]["W1-openvino-genai-nopc"][0]["total_output_tokens"] == 8 * 32
+    # Same IR, fp32 inference and KV cache, the same token ids: the same greedy tokens.
+    assert "W1 first request, first 16 greedy tokens: pagedllm-ov and OV GenAI agree" in summary["notes"]
+    assert "pagedllm-ov/OV GenAI" in proc.stdout
+
+
+def test_unknown_engines_are_refused_with_the_choices():
+    proc = subprocess.run([sys.executable, str(HARNESS), "--engines", "pagedllm,llama.cpp"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--engines: unknown llama.cpp; choose from pagedllm, vllm, transformers" in proc.stderr
