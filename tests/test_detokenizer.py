@@ -54,3 +54,16 @@ def test_earliest_stop_string_wins(tiny_llama):
     ids = tok("The quick brown fox").input_ids
     _, detok, stop = stream(tok, [], ids, stop=["fox", "quick"])
     assert detok.text == "The " and stop == "quick"
+
+
+def test_the_direct_decode_gives_the_text_transformers_gives(tiny_llama):
+    from transformers import AutoTokenizer
+
+    from pagedllm.detokenizer import _decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tok(" Hi there , naïve 😀 .").input_ids + [tok.eos_token_id]
+    for skip in (True, False):
+        assert _decoder(tok, skip)(ids) == tok.decode(ids, skip_special_tokens=skip)
+    tok.clean_up_tokenization_spaces = True  # transformers then tidies " ," and " ." itself: it must stay in the loop
+    assert _decoder(tok, True)(ids) == tok.decode(ids, skip_special_tokens=True) == " Hi there, naïve 😀."
