@@ -128,7 +128,8 @@ class Harness:
 
         ir_dir = exported_model(self.hf_dir, model_source.name, "fp32")
         print(f"OpenVINO GenAI reads pagedllm's export {ir_dir}", flush=True)
-        self.genai_dir = openvino_genai_offline.prepare_model(ir_dir, self.hf_dir, self.work_dir / "openvino-genai-model")
+        self.genai_dir = openvino_genai_offline.prepare_model(ir_dir, self.hf_dir,
+                                                              self.work_dir / "openvino-genai-model")
 
     def vllm_env(self) -> dict[str, str]:
         return vllm_cpu_env.vllm_environ(self.venv, THREADS_BIND, KV_CACHE_SPACE, self.tcmalloc)
@@ -216,7 +217,8 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
         key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
         unit = "output tok/s" if workload == "W1" else "req/s"
         for caching in ([False] if workload == "W1" else [True, False]):
-            label = f"{workload} {unit}" + ("" if workload == "W1" else f", prefix caching {'on' if caching else 'off'}")
+            mode = "" if workload == "W1" else f", prefix caching {'on' if caching else 'off'}"
+            label = f"{workload} {unit}{mode}"
             rows.append({"metric": label, "format": ".1f" if workload == "W1" else ".2f",
                          **{e: med(workload, e, caching, key) for e in engines}})
         rows.append({"metric": f"{workload} start-up s", "format": ".1f", "lower_is_better": True,
@@ -296,7 +298,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engines", default=DEFAULT_ENGINES,
                         help=f"comma-separated, from {', '.join(ENGINES)} (default {DEFAULT_ENGINES}); "
                              f"pagedllm-openvino is pagedllm --backend openvino")
-    parser.add_argument("--pagedllm-args", default="", help="extra flags for the pagedllm engine, e.g. '--block-size 16'")
+    parser.add_argument("--pagedllm-args", default="",
+                        help="extra flags for the pagedllm engine, e.g. '--block-size 16'")
     parser.add_argument("--openvino-kv-cache", default="fp16", choices=sorted(OV_KV_TYPES),
                         help="KV-cache precision of pagedllm-openvino and OpenVINO GenAI (default fp16, what both "
                              "use by default on CPUs without native bf16)")
