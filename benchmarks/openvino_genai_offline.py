@@ -24,7 +24,7 @@ _INFERENCE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def unavailable_reason() -> str | None:
-    """None if openvino_genai imports and matches the installed openvino; else what to do."""
+    """None if openvino_genai imports; else what to install."""
     import importlib.metadata
 
     try:
