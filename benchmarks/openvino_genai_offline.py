@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from rates import rate_fields
+from rates import rate_fields, write_results
 
 GENAI_PACKAGE = "openvino-genai"
 _INFERENCE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -111,9 +111,7 @@ def main() -> None:
                    "dtype": args.dtype, "kv_cache_precision": args.kv_cache_precision,
                    "enable_prefix_caching": args.enable_prefix_caching},
     }
-    Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"OpenVINO GenAI {openvino_genai.__version__}: {results['requests_per_second']:.2f} requests/s, "
-          f"{results['output_tokens_per_second']:.1f} output tokens/s; start-up {startup:.1f} s")
+    write_results(args.output_json, results, f"OpenVINO GenAI {openvino_genai.__version__}")
 
 
 if __name__ == "__main__":

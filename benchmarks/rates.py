@@ -1,8 +1,12 @@
-"""The rate fields every runner's results JSON shares (named as ``pagedllm bench throughput`` names them).
+"""The rate fields every runner's results JSON shares (named as ``pagedllm bench throughput`` names them), and
+how a runner hands its results over.
 
-Plain Python with no imports, so the runners that live in other environments (vllm_offline.py in vLLM's venv) can
+Standard library only, so the runners that live in other environments (vllm_offline.py in vLLM's venv) can
 use it too: the script's own folder is on their import path.
 """
+
+import json
+from pathlib import Path
 
 
 def rate_fields(workload: str, num_requests: int, num_prompt: int, num_output: int, elapsed: float,
@@ -19,3 +23,10 @@ def rate_fields(workload: str, num_requests: int, num_prompt: int, num_output: i
         "output_tokens_per_second": num_output / elapsed,
         "startup_seconds": startup,
     }
+
+
+def write_results(path: str, results: dict, engine: str) -> None:
+    """The results JSON for the harness, and one line for the log."""
+    Path(path).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"{engine}: {results['requests_per_second']:.2f} requests/s, {results['output_tokens_per_second']:.1f} "
+          f"output tokens/s; start-up {results['startup_seconds']:.1f} s")

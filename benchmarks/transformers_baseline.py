@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rates import rate_fields
+from rates import rate_fields, write_results
 
 
 def main() -> None:
@@ -63,9 +63,7 @@ def main() -> None:
         "engine": {"name": "transformers", "model": args.model, "dtype": args.dtype, "batch_size": args.batch_size,
                    "threads": torch.get_num_threads()},
     }
-    Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"transformers generate: {results['requests_per_second']:.2f} requests/s, "
-          f"{results['output_tokens_per_second']:.1f} output tokens/s; start-up {startup:.1f} s")
+    write_results(args.output_json, results, "transformers generate")
 
 
 if __name__ == "__main__":

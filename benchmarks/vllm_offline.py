@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from rates import rate_fields
+from rates import rate_fields, write_results
 
 
 def main() -> None:
@@ -59,9 +59,7 @@ def main() -> None:
                    "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
                    "enable_prefix_caching": args.enable_prefix_caching},
     }
-    Path(args.output_json).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"vLLM {vllm.__version__}: {results['requests_per_second']:.2f} requests/s, "
-          f"{results['output_tokens_per_second']:.1f} output tokens/s; start-up {startup:.1f} s")
+    write_results(args.output_json, results, f"vLLM {vllm.__version__}")
 
 
 if __name__ == "__main__":
