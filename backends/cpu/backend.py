@@ -12,7 +12,7 @@ from pagedllm.backends.cpu.cpu_features import has_native_bf16
 from pagedllm.backends.cpu.ipex import ipex_status
 from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
 from pagedllm.backends.cpu.model_runner import ModelRunner
-from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
+from pagedllm.backends.cpu.allocator import keep_freed_memory
 from pagedllm.backends.cpu.threads import ThreadBinder
 from pagedllm.cpu_binding import plan_threads
 
@@ -75,7 +75,7 @@ class CPUBackend(Backend):
         logger.info("threads: %s", self.thread_plan.describe())
         for warning in self.thread_plan.warnings:
             logger.warning("%s", warning)
-        logger.info("%s", tcmalloc_status())
+        logger.info("%s", keep_freed_memory())
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,

@@ -1,7 +1,11 @@
 """cpu backend settings: dtype choice, KV cache dtypes, logs of what was chosen."""
 
+import json
 import logging
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,8 +14,9 @@ from tiny_models import kv_bytes_per_block
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
 from pagedllm.backends.cpu.cpu_features import has_native_bf16
-from pagedllm.backends.cpu.tcmalloc import tcmalloc_status
+from pagedllm.backends.cpu.allocator import tcmalloc_status
 from pagedllm.cpu_binding import process_cpus
+from pagedllm.memory import tcmalloc_loaded
 
 
 def test_dtype_choice():
@@ -39,6 +44,44 @@ def test_kv_cache_choice():
 def test_tcmalloc_status_says_what_to_do():
     status = tcmalloc_status()
     assert "preloaded" in status or "LD_PRELOAD=" in status
+
+
+_ALLOCATIONS = """
+import ctypes, json, resource, sys, torch
+from pagedllm.backends.cpu.allocator import keep_freed_memory
+if sys.argv[1] == "tuned":
+    print(keep_freed_memory(), file=sys.stderr)
+libc = ctypes.CDLL(None)
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+heap_start = next(int(line.split("-")[0], 16) for line in open("/proc/self/maps") if "[heap]" in line)
+big = torch.ones(5 << 20)  # 20 MiB
+in_heap = heap_start <= big.data_ptr() < libc.sbrk(0)
+faults = []
+for _ in range(8):  # a step's worth of tensors of 1-12 MiB, every page written, freed again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tensors = [torch.ones(n << 18) for n in (12, 2, 6, 2, 12, 4, 12, 1, 6, 12)]
+    top = libc.sbrk(0)
+    del tensors
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"in_heap": in_heap, "heap_kept": libc.sbrk(0) == top, "faults": faults}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or tcmalloc_loaded(), reason="tunes glibc's malloc")
+def test_freed_memory_stays_in_the_process():
+    """Tensors of a few MiB are allocated and freed by the dozen every step: once tuned, they come from the heap
+    and the heap is not trimmed, so later steps reuse the pages instead of faulting them in afresh (untuned,
+    glibc hands them back, and half of the runs here fault ~14,000 pages every round)."""
+    def allocations(mode):
+        done = subprocess.run([sys.executable, "-c", _ALLOCATIONS, mode], capture_output=True, text=True, check=True)
+        return done.stderr, json.loads(done.stdout)
+
+    _, untuned = allocations("untuned")
+    log, tuned = allocations("tuned")
+    assert "keeping freed memory" in log
+    assert not untuned["in_heap"] and tuned["in_heap"]  # glibc's default: above 128 KiB, mmap
+    assert tuned["heap_kept"]
+    assert sum(tuned["faults"][2:]) < 4096, tuned  # each round writes 17,700 pages
 
 
 @pytest.fixture()
