@@ -1,13 +1,12 @@
 """Paged attention for transformers' model classes, registered as an attention implementation.
 
 transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens of the
-step packed into one row. The new keys and values go into the layer's block cache first, then we attend:
-decodes (one query token each) in one call of the C++ kernel, which stores their new rows itself and reads
-the blocks in place (or, without it, a gather plus SDPA); prompt chunks with SDPA over their gathered blocks,
-padded to the longest chunk of their bucket (chunks are bucketed by length so that a 544-token prompt does
-not pad thirty 32-token ones).
-Query heads that share a KV head are folded into rows, so no head repeat is materialized.
-"""
+step packed into one row. The new keys and values go into the layer's block cache first, then we attend with the
+C++ kernels, which read the blocks in place: decodes (one query token each) in one call, which also stores their
+new rows; prompt chunks in another (no gather of a cached prefix, no padding of short chunks to long ones).
+Without the kernels, pure torch: a gather of the blocks plus SDPA, prompt chunks padded to the longest chunk of
+their bucket (chunks are bucketed by length so that a 544-token prompt does not pad thirty 32-token ones).
+Query heads that share a KV head are folded into rows, so no head repeat is materialized."""
 
 from __future__ import annotations
 
@@ -94,14 +93,19 @@ class PagedAttentionMetadata:
             self.dec_slots = self.slots[:nd]
 
         self.prefill_groups: list[PrefillGroup] = []
-        if batch.num_seqs > nd:
+        self.num_prefills = batch.num_seqs - nd
+        if self.num_prefills:
             q_start = torch.from_numpy(batch.query_start_loc).long()
             q_lens = q_start[1:] - q_start[:-1]
             past = torch.from_numpy(batch.num_computed).long()
-            lengths = q_lens[nd:].tolist()
-            for bucket in _length_buckets(lengths):
-                members = torch.tensor(bucket, dtype=torch.long) + nd
-                self.prefill_groups.append(PrefillGroup(members, q_start, q_lens, past, table, bs))
+            if kernels is not None:  # one kernel call reads the chunks' blocks in place
+                self.pf_starts, self.pf_lens, self.pf_past = q_start[nd:-1], q_lens[nd:], past[nd:]
+                width = -(-int(seq_lens[nd:].max()) // bs)
+                self.pf_table = table[nd:, :width].contiguous()
+            else:
+                for bucket in _length_buckets(q_lens[nd:].tolist()):
+                    members = torch.tensor(bucket, dtype=torch.long) + nd
+                    self.prefill_groups.append(PrefillGroup(members, q_start, q_lens, past, table, bs))
 
     def slot_rows(self, heads: int) -> torch.Tensor:
         """Where this step's keys and values go in every layer's cache (see kv_cache.slot_rows)."""
@@ -157,6 +161,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         qd = q[:nd].reshape(nd, num_kv_heads, groups, dim)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=md.decode_mask(window), scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, dim)
+    if md.num_prefills and md.kernels is not None:
+        md.kernels.paged_prefill_attention(
+            out, q, k_cache.data, v_cache.data, getattr(k_cache, "scale", None), getattr(k_cache, "minimum", None),
+            getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None), md.pf_table, md.pf_past,
+            md.pf_starts, md.pf_lens, dim ** -0.5 if scaling is None else scaling, window or -1)
     for group in md.prefill_groups:
         p, max_q = group.size, group.max_q
         keys = k_cache.gather(group.blocks, p, group.num_blocks, dtype)

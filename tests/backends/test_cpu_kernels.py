@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel against plain torch math on the same cache contents."""
+"""The C++ paged attention kernels (decode, prompt chunks) against plain torch math on the same cache contents."""
 
 import pytest
 import torch
@@ -24,6 +24,28 @@ def reference(q, keys, values, lens, scale, window):
     return out
 
 
+def make_caches(cache: str, num_blocks: int):
+    if cache == "u8":
+        return [QuantizedBlockCache(num_blocks, HKV, BS, D) for _ in range(2)]
+    return [BlockCache(num_blocks, HKV, BS, D, torch.float32 if cache == "fp32" else torch.bfloat16) for _ in range(2)]
+
+
+def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tensor, int]:
+    """Random keys/values for sequences of these lengths in scattered blocks; (block table, its width)."""
+    width = max(-(-n // BS) for n in lengths)
+    perm = torch.randperm(num_blocks)
+    table = torch.zeros(len(lengths), width, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lengths):
+        nb = -(-n // BS)
+        table[b, :nb] = perm[used:used + nb]
+        used += nb
+        slots = torch.arange(n)
+        for c in caches:
+            c.write(torch.randn(n, HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+    return table, width
+
+
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                           (torch.float32, "u8"), (torch.bfloat16, "u8")])
 @pytest.mark.parametrize("window", [-1, 20])
@@ -31,23 +53,8 @@ def test_kernel_matches_torch(dtype, cache, window):
     torch.manual_seed(0)
     lens = [1, 15, 16, 17, 40, 77]
     num_blocks = 64
-    caches = []
-    for _ in range(2):
-        if cache == "u8":
-            caches.append(QuantizedBlockCache(num_blocks, HKV, BS, D))
-        else:
-            caches.append(BlockCache(num_blocks, HKV, BS, D, torch.float32 if cache == "fp32" else torch.bfloat16))
-    width = max(-(-n // BS) for n in lens)
-    perm = torch.randperm(num_blocks)
-    table = torch.zeros(len(lens), width, dtype=torch.long)
-    used = 0
-    for b, n in enumerate(lens):
-        nb = -(-n // BS)
-        table[b, :nb] = perm[used:used + nb]
-        used += nb
-        slots = torch.arange(n)
-        for c in caches:
-            c.write(torch.randn(n, HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+    caches = make_caches(cache, num_blocks)
+    table, width = fill_caches(caches, lens, num_blocks)
     q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
     keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
     values = caches[1].gather(table.reshape(-1), len(lens), width, torch.float32)
@@ -96,6 +103,39 @@ def test_kernel_stores_the_new_rows_it_is_given(dtype, cache):
         contents.append((k.data.clone(), v.data.clone()))
     torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)
     torch.testing.assert_close(contents[1], contents[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                          (torch.float32, "u8"), (torch.float32, "bf16")])
+@pytest.mark.parametrize("window", [-1, 20])
+def test_prefill_kernel_matches_torch(dtype, cache, window):
+    """Prompt chunks of several lengths, some behind cached tokens (prefix caching, earlier chunks): every query
+    token sees the keys up to its own position (and within the window), read from the blocks in place."""
+    torch.manual_seed(3)
+    past_lens = [0, 0, 5, 16, 40, 0]
+    q_lens = [1, 37, 3, 16, 21, 70]  # tiles of 16 tokens: whole, partial and single-token ones
+    num_blocks = 64
+    caches = make_caches(cache, num_blocks)
+    totals = [p + n for p, n in zip(past_lens, q_lens)]
+    table, width = fill_caches(caches, totals, num_blocks)
+    starts = torch.tensor([0] + q_lens).cumsum(0)[:-1]
+    q = torch.randn(HKV * GROUPS, sum(q_lens), D).to(dtype).transpose(0, 1)  # [T, Hq, D], as transformers hands it
+    keys = caches[0].gather(table.reshape(-1), len(totals), width, torch.float32)
+    values = caches[1].gather(table.reshape(-1), len(totals), width, torch.float32)
+    scale = D ** -0.5
+    expected = torch.zeros(q.shape)
+    for b, (past, n) in enumerate(zip(past_lens, q_lens)):
+        for j in range(n):
+            pos = past + j
+            row = int(starts[b]) + j
+            expected[row] = reference(q[row:row + 1], keys[b:b + 1], values[b:b + 1], [pos + 1], scale, window)[0]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    k, v = caches
+    kernels.paged_prefill_attention(out, q, k.data, v.data, getattr(k, "scale", None), getattr(k, "minimum", None),
+                                    getattr(v, "scale", None), getattr(v, "minimum", None), table,
+                                    torch.tensor(past_lens), starts, torch.tensor(q_lens), scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 1), (8, 8), (576, 64), (13, 67), (192, 5)])

@@ -11,6 +11,12 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             torch::Tensor seq_lens, double scale, int64_t window,
                             c10::optional<torch::Tensor> new_keys, c10::optional<torch::Tensor> new_values,
                             c10::optional<torch::Tensor> slots);
+void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
+                             c10::optional<torch::Tensor> key_min, c10::optional<torch::Tensor> value_scale,
+                             c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
+                             torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
+                             int64_t window);
 torch::Tensor transpose2d(torch::Tensor src);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
@@ -21,6 +27,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("new_keys") = py::none(), py::arg("new_values") = py::none(),
         py::arg("slots") = py::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "prompt chunks' attention over a paged KV cache",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
+        py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),
+        py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
   m.def("transpose2d", &transpose2d, "a float32 matrix transposed into a new contiguous tensor");
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");

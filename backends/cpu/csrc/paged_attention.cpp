@@ -1,7 +1,9 @@
-// Decode attention straight from the paged KV cache: no gather copy of the cached keys and values.
+// Attention straight from the paged KV cache, for decodes and for prompt chunks: no gather copy of the cached keys
+// and values.
 //
-// One work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored
-// against every cached token in place, softmaxed, and used to sum the values. Caches are
+// Decodes: one work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored
+// against every cached token in place, softmaxed, and used to sum the values. Prompt chunks: the same per tile of
+// query tokens (see prefill below). Caches are
 // [num_blocks, kv_heads, block_size, head_size] in float32, bfloat16, or uint8 with a float32 scale
 // and minimum per token and head (x = q * scale + minimum).
 #include <ATen/ATen.h>
@@ -240,6 +242,63 @@ inline void store_row(cache_t* dst, const scalar_t* src, int64_t dim) {
   }
 }
 
+// The layer's paged keys and values, read in place: the two passes over one (sequence, KV head) that decodes and
+// prompt chunks share.
+template <typename cache_t>
+struct PagedCache {
+  static constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
+  const cache_t *keys, *values;
+  const float *key_scale, *key_min, *value_scale, *value_min;  // u8 caches only
+  const int64_t* table;
+  int64_t table_width, kv_heads, block_size, dim;
+
+  PagedCache(const at::Tensor& key_cache, const at::Tensor& value_cache, const c10::optional<at::Tensor>& k_scale,
+             const c10::optional<at::Tensor>& k_min, const c10::optional<at::Tensor>& v_scale,
+             const c10::optional<at::Tensor>& v_min, const at::Tensor& block_table)
+      : keys(key_cache.data_ptr<cache_t>()), values(value_cache.data_ptr<cache_t>()),
+        key_scale(quantized ? k_scale->data_ptr<float>() : nullptr),
+        key_min(quantized ? k_min->data_ptr<float>() : nullptr),
+        value_scale(quantized ? v_scale->data_ptr<float>() : nullptr),
+        value_min(quantized ? v_min->data_ptr<float>() : nullptr), table(block_table.data_ptr<int64_t>()),
+        table_width(block_table.size(1)), kv_heads(key_cache.size(1)), block_size(key_cache.size(2)),
+        dim(key_cache.size(3)) {}
+
+  // scores[r * span + (t - origin)] = q_r . key_t for the `rows` query rows against the sequence's keys t in
+  // [origin, len), origin = first_block * block_size.
+  void score(int64_t seq, int64_t head, const float* q, int64_t rows, int64_t first_block, int64_t len,
+             float* scores, int64_t span, float* scratch) const {
+    pass(seq, head, keys, key_scale, key_min, first_block, len, scratch, [&](const float* k, int64_t b, int64_t n) {
+      block_scores(q, rows, k, n, dim, scores + (b - first_block) * block_size, span);
+    });
+  }
+
+  // acc[r] += sum_t probs[r * span + (t - origin)] * value_t over the same keys.
+  void accumulate(int64_t seq, int64_t head, const float* probs, int64_t rows, int64_t first_block, int64_t len,
+                  int64_t span, float* acc, float* scratch) const {
+    pass(seq, head, values, value_scale, value_min, first_block, len, scratch,
+         [&](const float* v, int64_t b, int64_t n) {
+           block_accumulate(probs + (b - first_block) * block_size, span, rows, v, n, dim, acc);
+         });
+  }
+
+ private:
+  template <typename F>
+  void pass(int64_t seq, int64_t head, const cache_t* cache, const float* scale, const float* minimum,
+            int64_t first_block, int64_t len, float* scratch, F&& use) const {
+    const int64_t* blocks = table + seq * table_width;
+    const int64_t end_block = (len + block_size - 1) / block_size;
+    const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t b = first_block; b < end_block; ++b) {
+      const int64_t slot = (blocks[b] * kv_heads + head) * block_size;  // the block's first slot
+      const int64_t rows = std::min(len, (b + 1) * block_size) - b * block_size;
+      if (b + 1 < end_block) prefetch_block(cache + (blocks[b + 1] * kv_heads + head) * block_size * dim, block_bytes);
+      use(block_as_float<cache_t>(cache + slot * dim, quantized ? scale + slot : nullptr,
+                                  quantized ? minimum + slot : nullptr, rows, dim, scratch),
+          b, rows);
+    }
+  }
+};
+
 template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
             const at::Tensor& value_cache, const c10::optional<at::Tensor>& key_scale,
@@ -248,23 +307,11 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
             const at::Tensor& seq_lens, double scale, int64_t window, const c10::optional<at::Tensor>& new_keys,
             const c10::optional<at::Tensor>& new_values, const c10::optional<at::Tensor>& slots) {
   const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t dim = query.size(2);
-  const int64_t kv_heads = key_cache.size(1);
-  const int64_t block_size = key_cache.size(2);
+  const PagedCache<cache_t> cache(key_cache, value_cache, key_scale, key_min, value_scale, value_min, block_table);
+  const int64_t num_heads = query.size(1), dim = cache.dim, kv_heads = cache.kv_heads, block_size = cache.block_size;
   const int64_t groups = num_heads / kv_heads;
-  const int64_t table_width = block_table.size(1);
-  constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
-
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
-  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
-  const float* ks_ptr = quantized ? key_scale->data_ptr<float>() : nullptr;
-  const float* km_ptr = quantized ? key_min->data_ptr<float>() : nullptr;
-  const float* vs_ptr = quantized ? value_scale->data_ptr<float>() : nullptr;
-  const float* vm_ptr = quantized ? value_min->data_ptr<float>() : nullptr;
-  const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
   // This step's key and value of each sequence, stored into its slot by the thread that reads the block next: as a
@@ -278,8 +325,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   const int64_t nv_seq_stride = write_new ? new_values->stride(0) : 0;
   const int64_t nv_head_stride = write_new ? new_values->stride(1) : 0;
   const int64_t* slot_ptr = write_new ? slots->data_ptr<int64_t>() : nullptr;
-  cache_t* k_out = const_cast<cache_t*>(k_ptr);
-  cache_t* v_out = const_cast<cache_t*>(v_ptr);
+  cache_t* k_out = const_cast<cache_t*>(cache.keys);
+  cache_t* v_out = const_cast<cache_t*>(cache.values);
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), scratch(block_size * dim), acc(groups * dim), scores, inv_sum(groups);
@@ -287,7 +334,6 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       const int64_t seq = item / kv_heads, head = item % kv_heads;
       const int64_t len = lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t* blocks = table + seq * table_width;
       if (write_new) {
         const int64_t slot = slot_ptr[seq];
         const int64_t row = ((slot / block_size) * kv_heads + head) * block_size + slot % block_size;
@@ -303,15 +349,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       const int64_t origin = first_block * block_size, span = end_block * block_size - origin;
       scores.resize(groups * span);
       // Pass 1: scores of every query head of the group against every cached key, block by block.
-      const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
-      for (int64_t b = first_block; b < end_block; ++b) {
-        const int64_t slot = (blocks[b] * kv_heads + head) * block_size;  // the block's first slot
-        const int64_t rows = std::min(len, (b + 1) * block_size) - b * block_size;
-        if (b + 1 < end_block) prefetch_block(k_ptr + (blocks[b + 1] * kv_heads + head) * block_size * dim, block_bytes);
-        const float* keys = block_as_float<cache_t>(k_ptr + slot * dim, quantized ? ks_ptr + slot : nullptr,
-                                                    quantized ? km_ptr + slot : nullptr, rows, dim, scratch.data());
-        block_scores(q.data(), groups, keys, rows, dim, scores.data() + (b * block_size - origin), span);
-      }
+      cache.score(seq, head, q.data(), groups, first_block, len, scores.data(), span, scratch.data());
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * span;
         const int64_t lo = first - origin, hi = len - origin;  // the keys this query may see
@@ -321,19 +359,90 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       }
       // Pass 2: the probability-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = first_block; b < end_block; ++b) {
-        const int64_t slot = (blocks[b] * kv_heads + head) * block_size;
-        const int64_t rows = std::min(len, (b + 1) * block_size) - b * block_size;
-        if (b + 1 < end_block) prefetch_block(v_ptr + (blocks[b + 1] * kv_heads + head) * block_size * dim, block_bytes);
-        const float* values = block_as_float<cache_t>(v_ptr + slot * dim, quantized ? vs_ptr + slot : nullptr,
-                                                      quantized ? vm_ptr + slot : nullptr, rows, dim,
-                                                      scratch.data());
-        block_accumulate(scores.data() + (b * block_size - origin), span, groups, values, rows, dim, acc.data());
-      }
+      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), scratch.data());
       for (int64_t g = 0; g < groups; ++g) {
         scalar_t* dst = out_ptr + (seq * num_heads + head * groups + g) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
       }
+    }
+  });
+}
+
+// Prompt chunks attended straight from the paged cache (their keys and values are already stored): one work item
+// per (chunk, KV head, tile of kTile query tokens). The tile's query heads of the group become rows of one
+// score matrix [rows, span] over the blocks the tile can see, each row softmaxed up to its own position (causal,
+// and the window when there is one). No gather of the cached prefix, no padding of short chunks to long ones.
+constexpr int64_t kTile = 16;
+
+template <typename scalar_t, typename cache_t>
+void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+             const c10::optional<at::Tensor>& key_scale, const c10::optional<at::Tensor>& key_min,
+             const c10::optional<at::Tensor>& value_scale, const c10::optional<at::Tensor>& value_min,
+             const at::Tensor& block_table, const at::Tensor& past_lens, const at::Tensor& q_starts,
+             const at::Tensor& q_lens, double scale, int64_t window) {
+  const int64_t num_chunks = q_starts.size(0);
+  const PagedCache<cache_t> cache(key_cache, value_cache, key_scale, key_min, value_scale, value_min, block_table);
+  const int64_t num_heads = query.size(1), dim = cache.dim, kv_heads = cache.kv_heads, block_size = cache.block_size;
+  const int64_t groups = num_heads / kv_heads;
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t* past = past_lens.data_ptr<int64_t>();
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  const int64_t q_tok_stride = query.stride(0), q_head_stride = query.stride(1);
+
+  // (chunk, first token of the tile) for every tile, times the KV heads below.
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t t = 0; t < lens[c]; t += kTile) tiles.emplace_back(c, t);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  // Later tiles of a long chunk see more keys: threads take every n-th item rather than a contiguous run of them,
+  // so each gets a share of the costly ones.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const int64_t per_thread = (num_items + threads - 1) / threads;
+
+  at::parallel_for(0, threads * per_thread, per_thread, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(kTile * groups * dim), scratch(block_size * dim), acc(kTile * groups * dim), scores;
+    std::vector<float> inv_sum(kTile * groups);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = (k % per_thread) * threads + k / per_thread;
+      if (item >= num_items) continue;
+      const auto [chunk, tile_start] = tiles[item / kv_heads];
+      const int64_t head = item % kv_heads;
+      const int64_t tokens = std::min(kTile, lens[chunk] - tile_start);
+      const int64_t rows = tokens * groups;  // row j * groups + g: query token j of the tile, head g of the group
+      const int64_t first_pos = past[chunk] + tile_start;  // position of the tile's first query token
+      const int64_t end_len = first_pos + tokens;           // keys [0, end_len) may be seen by some row
+      const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          const scalar_t* src = q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
+          float* dst = q.data() + (j * groups + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+        }
+      const int64_t first_block = first / block_size, end_block = (end_len + block_size - 1) / block_size;
+      const int64_t origin = first_block * block_size, span = end_block * block_size - origin;
+      scores.resize(rows * span);
+      cache.score(chunk, head, q.data(), rows, first_block, end_len, scores.data(), span, scratch.data());
+      for (int64_t j = 0; j < tokens; ++j) {
+        const int64_t pos = first_pos + j;
+        const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - origin, hi = pos + 1 - origin;
+        for (int64_t g = 0; g < groups; ++g) {
+          float* s = scores.data() + (j * groups + g) * span;
+          inv_sum[j * groups + g] = softmax_numerators(s + lo, hi - lo);
+          std::fill(s, s + lo, 0.f);
+          std::fill(s + hi, s + span, 0.f);
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
+      cache.accumulate(chunk, head, scores.data(), rows, first_block, end_len, span, acc.data(), scratch.data());
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          scalar_t* dst = out_ptr + ((starts[chunk] + tile_start + j) * num_heads + head * groups + g) * dim;
+          const float* a = acc.data() + (j * groups + g) * dim;
+          const float inv = inv_sum[j * groups + g];
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(a[d] * inv);
+        }
     }
   });
 }
@@ -401,5 +510,40 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
       break;
     default:
       TORCH_CHECK(false, "paged decode attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+// Prompt chunks over the paged cache, their keys and values already stored. out, query: [num_tokens, num_heads,
+// head_size] (the step's tokens; only the chunks' rows of out are written); block_table int64 [num_chunks, width];
+// past_lens (tokens cached before the chunk), q_starts (first row of the chunk in query), q_lens: int64 [num_chunks].
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                             c10::optional<at::Tensor> key_scale, c10::optional<at::Tensor> key_min,
+                             c10::optional<at::Tensor> value_scale, c10::optional<at::Tensor> value_min,
+                             at::Tensor block_table, at::Tensor past_lens, at::Tensor q_starts, at::Tensor q_lens,
+                             double scale, int64_t window) {
+  TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous(), "query rows and out must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "out must match query");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  for (const at::Tensor* t : {&block_table, &past_lens, &q_starts, &q_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "block_table and lengths must be contiguous int64");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  const bool is_float = query.scalar_type() == at::kFloat;
+  TORCH_CHECK(is_float || query.scalar_type() == at::kBFloat16, "paged prefill attention: unsupported query dtype ",
+              query.scalar_type());
+  switch (key_cache.scalar_type()) {
+#define PAGEDLLM_PREFILL(cache_t)                                                                                  \
+  if (is_float)                                                                                                    \
+    prefill<float, cache_t>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,        \
+                            block_table, past_lens, q_starts, q_lens, scale, window);                              \
+  else                                                                                                             \
+    prefill<at::BFloat16, cache_t>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min, \
+                                   block_table, past_lens, q_starts, q_lens, scale, window);                       \
+  break;
+    case at::kFloat: PAGEDLLM_PREFILL(float)
+    case at::kBFloat16: PAGEDLLM_PREFILL(at::BFloat16)
+    case at::kByte: PAGEDLLM_PREFILL(uint8_t)
+#undef PAGEDLLM_PREFILL
+    default:
+      TORCH_CHECK(false, "paged prefill attention: unsupported cache dtype ", key_cache.scalar_type());
   }
 }
