@@ -97,3 +97,17 @@ def test_prefix_shared_within_one_step(tiny_model_dirs, references, arch):
     llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.kv_manager.prefix_cache.hits >= (len(prompts) - 2) * 32  # all but the first hit 2+ blocks
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_pure_torch_attention(tiny_model_dirs, references, arch, monkeypatch):
+    """The fallback where the C++ kernels cannot be built: gather + SDPA, prompt chunks behind cached prefixes
+    and in length buckets, the same tokens."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ATTENTION", "torch")
+    prompts, expected = references[arch]["shared"]
+    llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=48, max_num_seqs=8)
+    assert llm.engine.backend.runner.kernels is None
+    assert token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == expected[:1]
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.kv_manager.prefix_cache.hits > 0
