@@ -13,9 +13,9 @@ import torch
 from pagedllm import Batch, ModelInfo
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
+from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.threads import ThreadBinder
-from pagedllm.backends.cpu.weight_major import use_weight_major_linears
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -45,7 +45,8 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
-        use_weight_major_linears(self.model, self.kernels)
+        packed = use_packed_linears(self.model)
+        logger.info("linear layers: %s", f"{packed} float32 ones packed for oneDNN" if packed else "nn.Linear")
         use_fused_rms_norms(self.model, self.kernels)
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads

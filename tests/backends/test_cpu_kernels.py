@@ -136,9 +136,3 @@ def test_prefill_kernel_matches_torch(dtype, cache, window):
                                     torch.tensor(past_lens), starts, torch.tensor(q_lens), scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("rows, cols", [(1, 1), (8, 8), (576, 64), (13, 67), (192, 5)])
-def test_transpose_is_exact(rows, cols):
-    x = torch.randn(rows, cols)
-    assert torch.equal(kernels.transpose2d(x), x.t().contiguous())

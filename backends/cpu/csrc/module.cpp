@@ -17,7 +17,6 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
                              torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
                              int64_t window);
-torch::Tensor transpose2d(torch::Tensor src);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
 
@@ -31,7 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),
         py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
-  m.def("transpose2d", &transpose2d, "a float32 matrix transposed into a new contiguous tensor");
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }
