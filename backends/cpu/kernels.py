@@ -1,5 +1,5 @@
-"""The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, RMSNorm, thread
-pinning), compiled once per machine by torch's extension loader.
+"""The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, RMSNorm, SwiGLU's
+silu(gate) * up, thread pinning), compiled once per machine by torch's extension loader.
 
 The build is cached under the pagedllm cache directory, keyed by the sources, torch's version and the CPU's
 flags (it is built with -march=native). ``PAGEDLLM_CPU_ATTENTION=torch`` skips it; ``=kernel`` makes a build
@@ -23,7 +23,9 @@ from pagedllm.model_source import cache_dir
 
 logger = logging.getLogger("pagedllm.cpu")
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 MODES = ("auto", "kernel", "torch")
 
 
@@ -34,7 +36,7 @@ def load_kernels(mode: str = "auto"):
         raise ConfigError(f"PAGEDLLM_CPU_ATTENTION={mode!r}: use one of {', '.join(MODES)}")
     if mode == "torch":
         return None, "pure torch (PAGEDLLM_CPU_ATTENTION=torch)"
-    source = b"".join(path.name.encode() + path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.name.encode() + path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,7 @@ def load_kernels(mode: str = "auto"):
         return None, f"pure torch (the C++ kernel could not be built: {type(exc).__name__})"
     if fresh:
         logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
-    return module, "C++ kernels (paged attention for decodes and prompts, RMSNorm)"
+    return module, "C++ kernels (paged attention for decodes and prompts, RMSNorm, SiLU-and-multiply)"
 
 
 def attention_mode() -> str:

@@ -16,15 +16,15 @@ def use_fused_rms_norms(model: torch.nn.Module, kernels) -> None:
         return
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    llama = _code_of(LlamaRMSNorm.forward)
+    llama = code_of(LlamaRMSNorm.forward)
     for module in model.modules():
-        if (_code_of(type(module).forward) == llama
+        if (code_of(type(module).forward) == llama
                 and getattr(module, "weight", None) is not None
                 and module.weight.dtype in (torch.float32, torch.bfloat16)):
             module.forward = _fused_forward(module, kernels)
 
 
-def _code_of(function) -> tuple:
+def code_of(function) -> tuple:
     code = getattr(function, "__code__", None)
     return (code.co_code, code.co_names, code.co_consts) if code is not None else ()
 

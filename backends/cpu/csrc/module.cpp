@@ -18,6 +18,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
                              int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -31,5 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),
         py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, elementwise");
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }

@@ -1,0 +1,69 @@
+// SwiGLU's silu(gate) * up in one pass: torch runs it as silu, then a multiply, each a full pass over
+// [tokens, width] (~100 ms of a 2048-token SmolLM2 prefill step; this kernel takes half the time of the two).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "fast_exp.h"
+
+namespace {
+
+// silu(x) = x / (1 + exp(-x)), from e = exp(-|x|) <= 1 so that exp never overflows: x / (1 + e) for x >= 0,
+// x * e / (1 + e) below.
+inline float silu(float x) {
+  const float e = pagedllm::exp_nonpositive(-std::fabs(x));
+  return (x >= 0.f ? x : x * e) / (1.f + e);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// silu on eight lanes, the same steps as the scalar one (the scalar loop does not vectorize: 4x slower than torch).
+inline __m256 silu8(__m256 x) {
+  const __m256 e = pagedllm::exp_nonpositive8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));  // exp(-|x|)
+  const __m256 non_negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 numerator = _mm256_blendv_ps(_mm256_mul_ps(x, e), x, non_negative);
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif
+
+template <typename scalar_t>
+void silu_and_mul_rows(const scalar_t* gates, int64_t gate_stride, const scalar_t* ups, int64_t up_stride,
+                       scalar_t* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = gates + r * gate_stride;
+      const scalar_t* up = ups + r * up_stride;
+      scalar_t* o = out + r * width;
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      if constexpr (std::is_same<scalar_t, float>::value)
+        for (; i + 8 <= width; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+#endif
+      for (; i < width; ++i)
+        o[i] = static_cast<scalar_t>(silu(static_cast<float>(gate[i])) * static_cast<float>(up[i]));
+    }
+  });
+}
+
+}  // namespace
+
+// gate and up: [..., width] each, rows evenly strided with contiguous elements (two halves of one projection's
+// output, or two outputs).
+at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() && gate.dim() >= 1,
+              "silu_and_mul: gate and up of one shape and dtype");
+  const int64_t width = gate.size(-1);
+  at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const at::Tensor g = gate.reshape({-1, width}), u = up.reshape({-1, width});
+  TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1, "silu_and_mul: elements of a row must be contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows(g.data_ptr<scalar_t>(), g.stride(0), u.data_ptr<scalar_t>(), u.stride(0),
+                      out.data_ptr<scalar_t>(), g.size(0), width);
+  });
+  return out;
+}

@@ -1,0 +1,38 @@
+"""Llama-family MLPs (SwiGLU) with silu(gate) * up as one C++ pass instead of torch's silu and multiply.
+
+A module qualifies when its forward is Llama's MLP forward, bytecode for bytecode (Mistral, Qwen2 and Qwen3 copy
+it), with SiLU as its activation. Measured in paired steps (the same batch run both ways, order shuffled, SmolLM2,
+float32): 64-sequence decode steps 3.4% faster, 2048-token prefill steps ~3%, one-sequence decode 1.6%. Fusing
+gate and up into one matmul as well helped one-sequence decode (6%) but made prefill steps ~3% slower, so the
+projections stay apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.cpu.rms_norm import code_of
+
+
+def use_fused_swiglu(model: torch.nn.Module, kernels) -> int:
+    """Give every qualifying MLP of the model the fused activation; returns how many."""
+    if kernels is None:
+        return 0
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    llama = code_of(LlamaMLP.forward)
+    fused = 0
+    for module in model.modules():
+        if code_of(type(module).forward) == llama and isinstance(module.act_fn, (SiLUActivation, torch.nn.SiLU)):
+            module.forward = _fused_forward(module, kernels)
+            fused += 1
+    return fused
+
+
+def _fused_forward(mlp: torch.nn.Module, kernels):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        # The projections are looked up per call: they may be swapped for packed ones after this.
+        return mlp.down_proj(kernels.silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    return forward

@@ -1,0 +1,63 @@
+"""The fused SwiGLU takes over Llama-family MLPs only, and computes what they compute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GemmaConfig, LlamaConfig, Qwen2Config
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu.packed_linear import use_packed_linears
+from pagedllm.backends.cpu.swiglu import use_fused_swiglu
+
+kernels, _ = load_kernels("auto")
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(3, 2 * 1536), (1, 2, 2 * 13), (0, 8)])
+@pytest.mark.parametrize("separate", [False, True])
+def test_silu_and_mul_matches_torch(dtype, tol, shape, separate):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 6).to(dtype)
+    if x.numel():
+        x.view(-1)[:4] = torch.tensor([100.0, -100.0, 0.0, -0.0], dtype=dtype)  # no overflow, no NaN at the ends
+    width = shape[-1] // 2
+    expected = (F.silu(x[..., :width].float()) * x[..., width:].float()).to(dtype)
+    gate, up = x[..., :width], x[..., width:]  # rows strided, as halves of one projection's output
+    if separate:
+        gate, up = gate.contiguous(), up.contiguous()
+    got = kernels.silu_and_mul(gate, up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def _mlp(cls, config_cls, hidden_act="silu", **extra):
+    torch.manual_seed(0)
+    return cls(config_cls(hidden_size=64, intermediate_size=96, hidden_act=hidden_act, **extra)).eval()
+
+
+@pytest.mark.parametrize("make", [lambda: _mlp(LlamaMLP, LlamaConfig),
+                                  lambda: _mlp(LlamaMLP, LlamaConfig, mlp_bias=True),
+                                  lambda: _mlp(Qwen2MLP, Qwen2Config)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_mlp_matches_the_module(make, packed):
+    mlp = make()
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        expected = mlp(x)
+        assert use_fused_swiglu(mlp, kernels) == 1
+        assert "forward" in mlp.__dict__
+        if packed:
+            use_packed_linears(mlp)
+        torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_mlps_keep_their_forward():
+    gemma = _mlp(GemmaMLP, GemmaConfig, hidden_act="gelu_pytorch_tanh")
+    llama_gelu = _mlp(LlamaMLP, LlamaConfig)
+    llama_gelu.act_fn = torch.nn.GELU()
+    assert use_fused_swiglu(torch.nn.ModuleList([gemma, llama_gelu]), kernels) == 0
+    assert "forward" not in gemma.__dict__ and "forward" not in llama_gelu.__dict__
