@@ -4,7 +4,8 @@ A module qualifies when its forward is Llama's MLP forward, bytecode for bytecod
 it), with SiLU as its activation. Measured in paired steps (the same batch run both ways, order shuffled, SmolLM2,
 float32): 64-sequence decode steps 3.4% faster, 2048-token prefill steps ~3%, one-sequence decode 1.6%. Fusing
 gate and up into one matmul as well helped one-sequence decode (6%) but made prefill steps ~3% slower, so the
-projections stay apart.
+projections stay apart. Float32 MLPs only: the kernel's bf16 loop is scalar and ~5x slower than torch's two bf16
+ops (measured here), so bf16 models keep torch's until it has a vector path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def use_fused_swiglu(model: torch.nn.Module, kernels) -> int:
     llama = code_of(LlamaMLP.forward)
     fused = 0
     for module in model.modules():
-        if code_of(type(module).forward) == llama and isinstance(module.act_fn, (SiLUActivation, torch.nn.SiLU)):
+        if (code_of(type(module).forward) == llama and isinstance(module.act_fn, (SiLUActivation, torch.nn.SiLU))
+                and module.down_proj.weight.dtype == torch.float32):
             module.forward = _fused_forward(module, kernels)
             fused += 1
     return fused

@@ -30,7 +30,8 @@ def test_a_tied_head_keeps_the_embedding_weight():
     model = torch.nn.ModuleDict({"embed": embed, "head": head})
     ids = torch.tensor([[3, 7, 11]])
     expected = model["head"](model["embed"](ids))
-    use_packed_linears(model)
+    assert use_packed_linears(model) == 1
+    assert isinstance(model["head"], PackedLinear)
     torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-5, rtol=1e-5)
     assert not model["embed"].weight.is_mkldnn
 
