@@ -15,6 +15,7 @@ from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
 from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
+from pagedllm.backends.cpu.rotary import use_fused_rotary
 from pagedllm.backends.cpu.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.threads import ThreadBinder
 
@@ -48,8 +49,9 @@ class ModelRunner:
         self.model.eval()
         packed = use_packed_linears(self.model)
         logger.info("linear layers: %s", f"{packed} float32 ones packed for oneDNN" if packed else "nn.Linear")
-        use_fused_rms_norms(self.model, self.kernels)
-        use_fused_swiglu(self.model, self.kernels)
+        fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
+                 use_fused_rotary(self.model, self.kernels))
+        logger.info("C++ kernels in the model: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE", *fused)
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads

@@ -11,17 +11,21 @@ from __future__ import annotations
 import torch
 
 
-def use_fused_rms_norms(model: torch.nn.Module, kernels) -> None:
+def use_fused_rms_norms(model: torch.nn.Module, kernels) -> int:
+    """Give every qualifying norm layer of the model the fused kernel; returns how many."""
     if kernels is None:
-        return
+        return 0
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     llama = code_of(LlamaRMSNorm.forward)
+    fused = 0
     for module in model.modules():
         if (code_of(type(module).forward) == llama
                 and getattr(module, "weight", None) is not None
                 and module.weight.dtype in (torch.float32, torch.bfloat16)):
             module.forward = _fused_forward(module, kernels)
+            fused += 1
+    return fused
 
 
 def code_of(function) -> tuple:

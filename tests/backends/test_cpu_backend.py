@@ -9,11 +9,13 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tiny_models import kv_bytes_per_block
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
 from pagedllm.backends.cpu.cpu_features import has_native_bf16
+from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.allocator import tcmalloc_status
 from pagedllm.cpu_binding import process_cpus
 from pagedllm.memory import tcmalloc_loaded
@@ -102,6 +104,13 @@ def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
     assert "threads bound to CPUs" in text and "NUMA node" in text
     assert "TCMalloc" in text and "IPEX" in text
     assert "KV cache:" in text and "blocks of 8 tokens" in text
+
+
+def test_float32_llama_runs_the_fused_kernels(tiny_llama, pagedllm_logs):
+    LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, max_model_len=128)
+    layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
+    expected = f"{2 * layers + 1} RMSNorm layers, {layers} SwiGLU MLPs, {layers} attention layers' RoPE"
+    assert expected in pagedllm_logs.text or load_kernels("auto")[0] is None
 
 
 @pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs")

@@ -1,0 +1,61 @@
+"""Llama-family attention layers with RoPE applied by one C++ call, in place on the q and k projections.
+
+transformers rotates the query and the key with six torch ops each (multiplies, a negate, a concat, an add). For
+SmolLM2's layers the kernel takes 18 vs 145 us per layer at 64 tokens, 0.21 vs 2.0 ms at 2048 (measured alone);
+in paired steps (same batch both ways) a 64-sequence decode step is 1.1% faster, a one-sequence step 3.7%.
+A module qualifies when its forward is Llama's attention forward, bytecode for bytecode (Gemma, Granite and Arcee
+copy it), and the ``apply_rotary_pos_emb`` and ``rotate_half`` its module uses are Llama's too (GLM copies the
+forward but rotates interleaved pairs, so it keeps its own). The kernel does the same float32 arithmetic in the
+same order: bit for bit transformers' result. Float32 only; anything else (bf16, a KV cache object, partial
+rotary) takes the module's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.cpu.rms_norm import code_of
+
+
+def use_fused_rotary(model: torch.nn.Module, kernels) -> int:
+    """Give every qualifying attention layer of the model the fused RoPE; returns how many."""
+    if kernels is None:
+        return 0
+    from transformers.models.llama import modeling_llama as llama
+
+    reference = (code_of(llama.LlamaAttention.forward), code_of(llama.apply_rotary_pos_emb),
+                 code_of(llama.rotate_half))
+    fused = 0
+    for module in model.modules():
+        forward = type(module).forward
+        names = getattr(forward, "__globals__", {})
+        found = (code_of(forward), code_of(names.get("apply_rotary_pos_emb")), code_of(names.get("rotate_half")))
+        if found == reference:
+            module.forward = _fused_forward(module, kernels, names)
+            fused += 1
+    return fused
+
+
+def _fused_forward(attn: torch.nn.Module, kernels, names: dict):
+    unfused = attn.forward
+    attention_functions, eager = names["ALL_ATTENTION_FUNCTIONS"], names["eager_attention_forward"]
+
+    def forward(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
+        cos, sin = position_embeddings
+        if (past_key_values is not None or hidden_states.dtype != torch.float32 or cos.dtype != torch.float32
+                or cos.shape[-1] != attn.head_dim or attn.training):
+            return unfused(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        # The projections are looked up per call: they may be swapped for packed ones after this.
+        query, key = attn.q_proj(hidden_states), attn.k_proj(hidden_states)
+        value = attn.v_proj(hidden_states)
+        kernels.rotary_embedding(query, key, cos.contiguous(), sin.contiguous(), attn.head_dim)
+        interface = attention_functions.get_interface(attn.config._attn_implementation, eager)
+        out, weights = interface(attn, query.view(hidden_shape).transpose(1, 2), key.view(hidden_shape).transpose(1, 2),
+                                 value.view(hidden_shape).transpose(1, 2), attention_mask, dropout=0.0,
+                                 scaling=attn.scaling, **kwargs)
+        return attn.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    return forward
