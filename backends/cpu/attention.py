@@ -3,7 +3,8 @@
 transformers calls ``paged_attention(module, query, key, value, ...)`` in every layer with all tokens of the
 step packed into one row. The new keys and values go into the layer's block cache first, then we attend with the
 C++ kernels, which read the blocks in place: decodes (one query token each) in one call, which also stores their
-new rows; prompt chunks in another (no gather of a cached prefix, no padding of short chunks to long ones).
+new rows and reads the blocks all of them begin with (a shared prompt prefix) once per 16 sequences; prompt chunks
+in another (no gather of a cached prefix, no padding of short chunks to long ones).
 Without the kernels, pure torch: a gather of the blocks plus SDPA, prompt chunks padded to the longest chunk of
 their bucket (chunks are bucketed by length so that a 544-token prompt does not pad thirty 32-token ones).
 Query heads that share a KV head are folded into rows, so no head repeat is materialized."""
@@ -30,6 +31,20 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def shared_prefix_blocks(table: torch.Tensor, lens: torch.Tensor, block_size: int, min_seqs: int = 4,
+                         min_blocks: int = 4) -> int:
+    """How many leading block-table columns hold the same block for every sequence (a prompt prefix they share
+    through the prefix cache), counting only blocks each sequence filled before its newest token; 0 when fewer than
+    ``min_seqs`` sequences or ``min_blocks`` blocks would share. The decode kernel then reads those blocks once per
+    16 sequences instead of once per sequence."""
+    if table.shape[0] < min_seqs:
+        return 0
+    limit = min(table.shape[1], int((lens.min() - 1) // block_size))
+    same = (table[:, :limit] == table[:1, :limit]).all(0)
+    shared = limit if bool(same.all()) else int(same.int().argmin())
+    return shared if shared >= min_blocks else 0
 
 
 class PrefillGroup:
@@ -91,6 +106,7 @@ class PagedAttentionMetadata:
             self.dec_table = table[:nd, :self.dec_num_blocks].contiguous()
             self.dec_blocks = self.dec_table.reshape(-1)
             self.dec_slots = self.slots[:nd]
+            self.dec_shared = shared_prefix_blocks(self.dec_table, self.dec_lens, bs) if kernels is not None else 0
 
         self.prefill_groups: list[PrefillGroup] = []
         self.num_prefills = batch.num_seqs - nd
@@ -154,7 +170,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             out[:nd], q[:nd], k_cache.data, v_cache.data, getattr(k_cache, "scale", None),
             getattr(k_cache, "minimum", None), getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None),
             md.dec_table, md.dec_lens, dim ** -0.5 if scaling is None else scaling, window or -1,
-            *((new_keys[:nd], new_values[:nd], md.dec_slots) if kernel_writes else ()))
+            *((new_keys[:nd], new_values[:nd], md.dec_slots) if kernel_writes else (None, None, None)),
+            shared_blocks=0 if window else md.dec_shared)
     elif nd:
         keys = k_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         values = v_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)

@@ -5,6 +5,7 @@ import pytest
 from equality_support import GREEDY, assert_outputs_depend_on_the_prompt, build_references, token_ids
 from tiny_models import ARCHITECTURES, kv_bytes_per_block
 from pagedllm import LLM
+from pagedllm.backends.cpu import attention
 
 LENGTHS = [1, 5, 16, 17, 31, 40, 64, 90, 7]  # block-aligned, one past a block, single token, ...
 
@@ -91,12 +92,17 @@ def test_prefix_caching_with_evictions_and_preemption(tiny_model_dirs, reference
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_prefix_shared_within_one_step(tiny_model_dirs, references, arch):
-    """Prompts with a common prefix admitted in the same step share its blocks while they are computed."""
+def test_prefix_shared_within_one_step(tiny_model_dirs, references, arch, monkeypatch):
+    """Prompts with a common prefix admitted in the same step share its blocks while they are computed, and their
+    decodes read those blocks once for all of them."""
     prompts, expected = references[arch]["shared"]
+    shared = []
+    real = attention.shared_prefix_blocks
+    monkeypatch.setattr(attention, "shared_prefix_blocks", lambda *a: shared.append(real(*a)) or shared[-1])
     llm = make_llm(tiny_model_dirs[arch], enable_prefix_caching=True)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.kv_manager.prefix_cache.hits >= (len(prompts) - 2) * 32  # all but the first hit 2+ blocks
+    assert max(shared) == 4  # the 32 tokens all five prompts begin with (the shortest has 35 of the 50)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from pagedllm.backends.cpu.attention import shared_prefix_blocks
 from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
 
@@ -136,3 +137,77 @@ def test_prefill_kernel_matches_torch(dtype, cache, window):
                                     torch.tensor(past_lens), starts, torch.tensor(q_lens), scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_blocks: int) -> torch.Tensor:
+    """Sequences that begin with the same ``prefix_blocks`` blocks (as the prefix cache shares them), then blocks
+    of their own, random contents; returns the block table."""
+    width = max(-(-n // BS) for n in lengths)
+    perm = torch.randperm(num_blocks)
+    table = torch.zeros(len(lengths), width, dtype=torch.long)
+    table[:, :prefix_blocks] = perm[:prefix_blocks]
+    used = prefix_blocks
+    prefix = torch.arange(prefix_blocks * BS)
+    for c in caches:
+        c.write(torch.randn(len(prefix), HKV, D), slot_rows(table[0, prefix // BS] * BS + prefix % BS, HKV, BS))
+    for b, n in enumerate(lengths):
+        own = -(-n // BS) - prefix_blocks
+        table[b, prefix_blocks:prefix_blocks + own] = perm[used:used + own]
+        used += own
+        slots = torch.arange(prefix_blocks * BS, n)
+        for c in caches:
+            c.write(torch.randn(len(slots), HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+    return table
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                          (torch.float32, "u8")])
+def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, cache):
+    torch.manual_seed(0)
+    lens = [49, 64, 65, 120, 50, 77, 90, 100, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62]  # two tiles of 16
+    caches = make_caches(cache, 128)
+    table = fill_shared_prefix(caches, 3, lens, 128)
+    width = table.shape[1]
+    q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
+    keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
+    values = caches[1].gather(table.reshape(-1), len(lens), width, torch.float32)
+    expected = reference(q, keys, values, lens, D ** -0.5, -1)
+    k, v = caches
+    outs = []
+    for shared_blocks in (0, 3):
+        out = torch.empty_like(q)
+        kernels.paged_decode_attention(out, q, k.data, v.data, getattr(k, "scale", None),
+                                       getattr(k, "minimum", None), getattr(v, "scale", None),
+                                       getattr(v, "minimum", None), table, torch.tensor(lens), D ** -0.5, -1,
+                                       shared_blocks=shared_blocks)
+        outs.append(out.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+def test_shared_blocks_are_checked():
+    caches = make_caches("fp32", 32)
+    table = fill_shared_prefix(caches, 2, [40, 33], 32)
+    q, out = torch.randn(2, HKV * GROUPS, D), torch.empty(2, HKV * GROUPS, D)
+    k, v = caches
+    call = lambda lens, window, shared: kernels.paged_decode_attention(  # noqa: E731
+        out, q, k.data, v.data, None, None, None, None, table, torch.tensor(lens), 0.125, window,
+        shared_blocks=shared)
+    with pytest.raises(RuntimeError, match="sliding window"):
+        call([40, 33], 20, 2)
+    with pytest.raises(RuntimeError, match="extend past"):
+        call([40, 32], -1, 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        call([40, 33], -1, 9)
+
+
+def test_shared_prefix_blocks_are_the_leading_columns_all_decodes_hold():
+    table = torch.tensor([[7, 8, 9, 10, 11, 1], [7, 8, 9, 10, 11, 2], [7, 8, 9, 10, 11, 3], [7, 8, 9, 10, 12, 4]])
+    lens = torch.tensor([48, 48, 48, 48])
+    assert shared_prefix_blocks(table, lens, 8) == 4
+    assert shared_prefix_blocks(table[:3], lens[:3], 8, min_seqs=3) == 5
+    assert shared_prefix_blocks(table, torch.tensor([48, 48, 33, 48]), 8) == 4  # 33 tokens: 4 full blocks before
+    assert shared_prefix_blocks(table, torch.tensor([48, 48, 32, 48]), 8) == 0  # its newest token is in block 3
+    assert shared_prefix_blocks(table[:3], lens[:3], 8) == 0  # fewer than four sequences
+    assert shared_prefix_blocks(table, lens, 8, min_blocks=5) == 0

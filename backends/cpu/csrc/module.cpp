@@ -10,7 +10,7 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                             c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
                             torch::Tensor seq_lens, double scale, int64_t window,
                             c10::optional<torch::Tensor> new_keys, c10::optional<torch::Tensor> new_values,
-                            c10::optional<torch::Tensor> slots);
+                            c10::optional<torch::Tensor> slots, int64_t shared_blocks);
 void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
                              c10::optional<torch::Tensor> key_min, c10::optional<torch::Tensor> value_scale,
@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("new_keys") = py::none(), py::arg("new_values") = py::none(),
-        py::arg("slots") = py::none());
+        py::arg("slots") = py::none(), py::arg("shared_blocks") = 0);
   m.def("paged_prefill_attention", &paged_prefill_attention, "prompt chunks' attention over a paged KV cache",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),

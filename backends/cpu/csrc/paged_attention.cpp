@@ -2,8 +2,9 @@
 // and values.
 //
 // Decodes: one work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored
-// against every cached token in place, softmaxed, and used to sum the values. Prompt chunks: the same per tile of
-// query tokens (see prefill below). Caches are
+// against every cached token in place, softmaxed, and used to sum the values. Blocks that all the decodes' tables
+// begin with (a prompt prefix shared through the prefix cache) are attended first, once per tile of sequences.
+// Prompt chunks: the same per tile of query tokens (see prefill below). Caches are
 // [num_blocks, kv_heads, block_size, head_size] in float32, bfloat16, or uint8 with a float32 scale
 // and minimum per token and head (x = q * scale + minimum).
 #include <ATen/ATen.h>
@@ -177,8 +178,8 @@ inline float horizontal_max(__m256 v) {
 }
 #endif
 
-// In place: s[i] = exp(s[i] - max(s)); returns 1 / sum.
-inline float softmax_numerators(float* s, int64_t n) {
+// In place: s[i] = exp(s[i] - max(s)); returns 1 / sum (and the max in *peak_out when asked).
+inline float softmax_numerators(float* s, int64_t n, float* peak_out = nullptr) {
   float peak = -std::numeric_limits<float>::infinity();
   float total = 0.f;
   int64_t i = 0;
@@ -200,6 +201,7 @@ inline float softmax_numerators(float* s, int64_t n) {
     s[i] = exp_nonpositive(s[i] - peak);
     total += s[i];
   }
+  if (peak_out != nullptr) *peak_out = peak;
   return 1.f / total;
 }
 
@@ -270,13 +272,17 @@ struct PagedCache {
   }
 };
 
+// Sequences whose shared prefix blocks are attended together (query rows = kSeqTile * group size).
+constexpr int64_t kSeqTile = 16;
+
 template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
             const at::Tensor& value_cache, const c10::optional<at::Tensor>& key_scale,
             const c10::optional<at::Tensor>& key_min, const c10::optional<at::Tensor>& value_scale,
             const c10::optional<at::Tensor>& value_min, const at::Tensor& block_table,
             const at::Tensor& seq_lens, double scale, int64_t window, const c10::optional<at::Tensor>& new_keys,
-            const c10::optional<at::Tensor>& new_values, const c10::optional<at::Tensor>& slots) {
+            const c10::optional<at::Tensor>& new_values, const c10::optional<at::Tensor>& slots,
+            int64_t shared_blocks) {
   const int64_t num_seqs = query.size(0);
   const PagedCache<cache_t> cache(key_cache, value_cache, key_scale, key_min, value_scale, value_min, block_table);
   const int64_t num_heads = query.size(1), dim = cache.dim, kv_heads = cache.kv_heads, block_size = cache.block_size;
@@ -299,12 +305,49 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   cache_t* k_out = const_cast<cache_t*>(cache.keys);
   cache_t* v_out = const_cast<cache_t*>(cache.values);
 
+  // Blocks that every sequence's table starts with (a shared prompt prefix) are attended once per tile of
+  // sequences: each block is read once for the tile's query rows instead of once per sequence. Their unnormalized
+  // sums, maxima and softmax denominators are merged with each sequence's own blocks below.
+  const int64_t shared_len = shared_blocks * block_size;
+  std::vector<float> shared_acc, shared_max, shared_sum;
+  if (shared_blocks > 0) {
+    shared_acc.resize(num_seqs * num_heads * dim);
+    shared_max.resize(num_seqs * num_heads);
+    shared_sum.resize(num_seqs * num_heads);
+    const int64_t tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
+    at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(kSeqTile * groups * dim), scratch(block_size * dim), acc(kSeqTile * groups * dim);
+      std::vector<float> scores(kSeqTile * groups * shared_len);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t first_seq = (item / kv_heads) * kSeqTile, head = item % kv_heads;
+        const int64_t rows = std::min(kSeqTile, num_seqs - first_seq) * groups;  // row j * groups + g
+        for (int64_t r = 0; r < rows; ++r) {
+          const scalar_t* src =
+              q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride;
+          for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+        }
+        cache.score(first_seq, head, q.data(), rows, 0, shared_len, scores.data(), shared_len, scratch.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+          shared_sum[at] = 1.f / softmax_numerators(scores.data() + r * shared_len, shared_len, &shared_max[at]);
+        }
+        std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
+        cache.accumulate(first_seq, head, scores.data(), rows, 0, shared_len, shared_len, acc.data(), scratch.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+          std::copy(acc.begin() + r * dim, acc.begin() + (r + 1) * dim, shared_acc.begin() + at * dim);
+        }
+      }
+    });
+  }
+
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(groups * dim), scratch(block_size * dim), acc(groups * dim), scores, inv_sum(groups);
+    std::vector<float> peak(groups);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / kv_heads, head = item % kv_heads;
       const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : shared_len;
       if (write_new) {
         const int64_t slot = slot_ptr[seq];
         const int64_t row = ((slot / block_size) * kv_heads + head) * block_size + slot % block_size;
@@ -324,7 +367,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * span;
         const int64_t lo = first - origin, hi = len - origin;  // the keys this query may see
-        inv_sum[g] = softmax_numerators(s + lo, hi - lo);
+        inv_sum[g] = softmax_numerators(s + lo, hi - lo, &peak[g]);
         std::fill(s, s + lo, 0.f);
         std::fill(s + hi, s + span, 0.f);
       }
@@ -332,8 +375,18 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       std::fill(acc.begin(), acc.end(), 0.f);
       cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), scratch.data());
       for (int64_t g = 0; g < groups; ++g) {
-        scalar_t* dst = out_ptr + (seq * num_heads + head * groups + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
+        const int64_t at = seq * num_heads + head * groups + g;
+        scalar_t* dst = out_ptr + at * dim;
+        if (shared_blocks > 0) {  // merged with the shared prefix's part, both rescaled to the larger maximum
+          const float top = std::max(peak[g], shared_max[at]);
+          const float own = exp_nonpositive(peak[g] - top), prefix = exp_nonpositive(shared_max[at] - top);
+          const float inv = 1.f / (own / inv_sum[g] + prefix * shared_sum[at]);
+          const float* part = shared_acc.data() + at * dim;
+          for (int64_t d = 0; d < dim; ++d)
+            dst[d] = static_cast<scalar_t>((acc[g * dim + d] * own + part[d] * prefix) * inv);
+        } else {
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
+        }
       }
     }
   });
@@ -425,19 +478,22 @@ void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     const c10::optional<at::Tensor>& value_min, const at::Tensor& block_table,
                     const at::Tensor& seq_lens, double scale, int64_t window,
                     const c10::optional<at::Tensor>& new_keys, const c10::optional<at::Tensor>& new_values,
-                    const c10::optional<at::Tensor>& slots) {
+                    const c10::optional<at::Tensor>& slots, int64_t shared_blocks) {
   switch (key_cache.scalar_type()) {
     case at::kFloat:
       decode<scalar_t, float>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
-                              block_table, seq_lens, scale, window, new_keys, new_values, slots);
+                              block_table, seq_lens, scale, window, new_keys, new_values, slots,
+                              shared_blocks);
       break;
     case at::kBFloat16:
       decode<scalar_t, at::BFloat16>(out, query, key_cache, value_cache, key_scale, key_min, value_scale,
-                                     value_min, block_table, seq_lens, scale, window, new_keys, new_values, slots);
+                                     value_min, block_table, seq_lens, scale, window, new_keys, new_values, slots,
+                                     shared_blocks);
       break;
     case at::kByte:
       decode<scalar_t, uint8_t>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
-                                block_table, seq_lens, scale, window, new_keys, new_values, slots);
+                                block_table, seq_lens, scale, window, new_keys, new_values, slots,
+                                shared_blocks);
       break;
     default:
       TORCH_CHECK(false, "paged decode attention: unsupported cache dtype ", key_cache.scalar_type());
@@ -448,14 +504,15 @@ void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 
 // out, query: [num_seqs, num_heads, head_size]; block_table: int64 [num_seqs, width]; seq_lens: int64 [num_seqs]
 // (counting this step's token). new_keys/new_values [num_seqs, kv_heads, head_size] and slots int64 [num_seqs], when
-// given, are written into the caches first (float and bfloat16 caches).
+// given, are written into the caches first (float and bfloat16 caches). The first shared_blocks columns of
+// block_table must be the same blocks for every sequence (a shared prefix, full blocks, each sequence longer).
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
                             c10::optional<at::Tensor> key_min, c10::optional<at::Tensor> value_scale,
                             c10::optional<at::Tensor> value_min, at::Tensor block_table,
                             at::Tensor seq_lens, double scale, int64_t window,
                             c10::optional<at::Tensor> new_keys, c10::optional<at::Tensor> new_values,
-                            c10::optional<at::Tensor> slots) {
+                            c10::optional<at::Tensor> slots, int64_t shared_blocks) {
   TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous(), "query rows and out must be contiguous");
   if (new_keys.has_value()) {
     TORCH_CHECK(new_values.has_value() && slots.has_value(), "new_keys needs new_values and slots");
@@ -470,14 +527,23 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
               "block_table and seq_lens must be int64");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "block_table and seq_lens must be contiguous");
   TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(shared_blocks >= 0 && shared_blocks <= block_table.size(1), "shared_blocks out of range");
+  if (shared_blocks > 0) {
+    TORCH_CHECK(window <= 0, "shared_blocks cannot be used with a sliding window");
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < seq_lens.size(0); ++i)
+      TORCH_CHECK(lens[i] > shared_blocks * key_cache.size(2), "every sequence must extend past its shared blocks");
+  }
   switch (query.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
-                            block_table, seq_lens, scale, window, new_keys, new_values, slots);
+                            block_table, seq_lens, scale, window, new_keys, new_values, slots,
+                            shared_blocks);
       break;
     case at::kBFloat16:
       dispatch_cache<at::BFloat16>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
-                                   block_table, seq_lens, scale, window, new_keys, new_values, slots);
+                                   block_table, seq_lens, scale, window, new_keys, new_values, slots,
+                                   shared_blocks);
       break;
     default:
       TORCH_CHECK(false, "paged decode attention: unsupported query dtype ", query.scalar_type());
