@@ -43,10 +43,10 @@ def _fused_forward(attn: torch.nn.Module, kernels, names: dict):
     def forward(hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
         cos, sin = position_embeddings
-        if (past_key_values is not None or hidden_states.dtype != torch.float32 or cos.dtype != torch.float32
-                or cos.shape[-1] != attn.head_dim or attn.training):
-            return unfused(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]
+        if (past_key_values is not None or hidden_states.dtype != torch.float32 or cos.dtype != torch.float32
+                or cos.shape != (*input_shape, attn.head_dim) or attn.training):  # e.g. cos broadcast over a batch
+            return unfused(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         hidden_shape = (*input_shape, -1, attn.head_dim)
         # The projections are looked up per call: they may be swapped for packed ones after this.
         query, key = attn.q_proj(hidden_states), attn.k_proj(hidden_states)

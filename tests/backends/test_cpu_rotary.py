@@ -74,6 +74,16 @@ def test_fused_layer_matches_the_module(make, packed):
             assert torch.equal(attn(x, position_embeddings, None)[0], expected)
 
 
+def test_cos_broadcast_over_a_batch_takes_the_module_forward():
+    attn, rotary = _layer(LlamaAttention, LlamaRotaryEmbedding, LlamaConfig)
+    x = torch.randn(2, 5, 64)
+    position_embeddings = rotary(x, torch.arange(5)[None])  # [1, 5, head_dim], broadcast over the batch of 2
+    with torch.no_grad():
+        expected, _ = attn(x, position_embeddings, None)
+        use_fused_rotary(attn, kernels)
+        assert torch.equal(attn(x, position_embeddings, None)[0], expected)
+
+
 def test_bfloat16_layer_takes_the_module_forward():
     attn, rotary = _layer(LlamaAttention, LlamaRotaryEmbedding, LlamaConfig)
     attn.to(torch.bfloat16)
