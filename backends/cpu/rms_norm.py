@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.backends.cpu.module_swap import code_of, swap_forwards
+
 
 def use_fused_rms_norms(model: torch.nn.Module, kernels) -> int:
     """Give every qualifying norm layer of the model the fused kernel; returns how many."""
@@ -18,19 +20,10 @@ def use_fused_rms_norms(model: torch.nn.Module, kernels) -> int:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     llama = code_of(LlamaRMSNorm.forward)
-    fused = 0
-    for module in model.modules():
-        if (code_of(type(module).forward) == llama
-                and getattr(module, "weight", None) is not None
-                and module.weight.dtype in (torch.float32, torch.bfloat16)):
-            module.forward = _fused_forward(module, kernels)
-            fused += 1
-    return fused
-
-
-def code_of(function) -> tuple:
-    code = getattr(function, "__code__", None)
-    return (code.co_code, code.co_names, code.co_consts) if code is not None else ()
+    return swap_forwards(model, lambda module: code_of(type(module).forward) == llama
+                         and getattr(module, "weight", None) is not None
+                         and module.weight.dtype in (torch.float32, torch.bfloat16),
+                         lambda module: _fused_forward(module, kernels))
 
 
 def _fused_forward(norm: torch.nn.Module, kernels):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.cpu.rms_norm import code_of
+from pagedllm.backends.cpu.module_swap import code_of, swap_forwards
 
 
 def use_fused_rotary(model: torch.nn.Module, kernels) -> int:
@@ -25,15 +25,16 @@ def use_fused_rotary(model: torch.nn.Module, kernels) -> int:
 
     reference = (code_of(llama.LlamaAttention.forward), code_of(llama.apply_rotary_pos_emb),
                  code_of(llama.rotate_half))
-    fused = 0
-    for module in model.modules():
-        forward = type(module).forward
-        names = getattr(forward, "__globals__", {})
-        found = (code_of(forward), code_of(names.get("apply_rotary_pos_emb")), code_of(names.get("rotate_half")))
-        if found == reference:
-            module.forward = _fused_forward(module, kernels, names)
-            fused += 1
-    return fused
+
+    def names(module: torch.nn.Module) -> dict:  # the globals its forward runs with
+        return getattr(type(module).forward, "__globals__", {})
+
+    def qualifies(module: torch.nn.Module) -> bool:
+        used = names(module)
+        return (code_of(type(module).forward), code_of(used.get("apply_rotary_pos_emb")),
+                code_of(used.get("rotate_half"))) == reference
+
+    return swap_forwards(model, qualifies, lambda module: _fused_forward(module, kernels, names(module)))
 
 
 def _fused_forward(attn: torch.nn.Module, kernels, names: dict):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.cpu.rms_norm import code_of
+from pagedllm.backends.cpu.module_swap import code_of, swap_forwards
 
 
 def use_fused_swiglu(model: torch.nn.Module, kernels) -> int:
@@ -23,13 +23,10 @@ def use_fused_swiglu(model: torch.nn.Module, kernels) -> int:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     llama = code_of(LlamaMLP.forward)
-    fused = 0
-    for module in model.modules():
-        if (code_of(type(module).forward) == llama and isinstance(module.act_fn, (SiLUActivation, torch.nn.SiLU))
-                and module.down_proj.weight.dtype == torch.float32):
-            module.forward = _fused_forward(module, kernels)
-            fused += 1
-    return fused
+    return swap_forwards(model, lambda module: code_of(type(module).forward) == llama
+                         and isinstance(module.act_fn, (SiLUActivation, torch.nn.SiLU))
+                         and module.down_proj.weight.dtype == torch.float32,
+                         lambda module: _fused_forward(module, kernels))
 
 
 def _fused_forward(mlp: torch.nn.Module, kernels):
