@@ -1,5 +1,5 @@
 """The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, RMSNorm, SwiGLU's
-silu(gate) * up, thread pinning), compiled once per machine by torch's extension loader.
+silu(gate) * up, rotary embedding, thread pinning), compiled once per machine by torch's extension loader.
 
 The build is cached under the pagedllm cache directory, keyed by the sources, torch's version and the CPU's
 flags (it is built with -march=native). ``PAGEDLLM_CPU_ATTENTION=torch`` skips it; ``=kernel`` makes a build
@@ -59,7 +59,7 @@ def load_kernels(mode: str = "auto"):
         return None, f"pure torch (the C++ kernel could not be built: {type(exc).__name__})"
     if fresh:
         logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
-    return module, "C++ kernels (paged attention for decodes and prompts, RMSNorm, SiLU-and-multiply)"
+    return module, "C++ kernels (paged attention for decodes and prompts, RMSNorm, SiLU-and-multiply, RoPE)"
 
 
 def attention_mode() -> str:

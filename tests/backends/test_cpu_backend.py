@@ -106,11 +106,12 @@ def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
     assert "KV cache:" in text and "blocks of 8 tokens" in text
 
 
+@pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C++ kernels could not be built here")
 def test_float32_llama_runs_the_fused_kernels(tiny_llama, pagedllm_logs):
     LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, max_model_len=128)
     layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
     expected = f"{2 * layers + 1} RMSNorm layers, {layers} SwiGLU MLPs, {layers} attention layers' RoPE"
-    assert expected in pagedllm_logs.text or load_kernels("auto")[0] is None
+    assert expected in pagedllm_logs.text
 
 
 @pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs")
