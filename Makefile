@@ -16,5 +16,7 @@ install:
 install-test: install
 	$(PIP) install -e ".[test]"
 
+# The second pass runs the ISA-dependent tests as the other kind of CPU (AVX2-only <-> AVX512_BF16/AMX).
 test: install-test
 	$(PYTHON) -m pytest
+	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTHON) -m pytest -m cpu_isa

@@ -283,6 +283,15 @@ def _token_agreement(h: Harness, workloads: list[str], pairs: list[tuple[str, st
     return lines
 
 
+def resolved_dtype(dtype: str) -> str:
+    """What pagedllm's --dtype means on this CPU (auto: bfloat16 where the CPU has native bf16)."""
+    if dtype != "auto":
+        return dtype
+    from pagedllm.backends.cpu_features import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else "float32"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -331,6 +340,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("no engine left to run")
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    openvino = {"pagedllm-openvino", "openvino-genai"} & set(args.engines)
+    if openvino and args.openvino_kv_cache == "fp32" and resolved_dtype(args.dtype) != "float32":
+        parser.error(f"--openvino-kv-cache fp32 needs float32 inference, and --dtype {args.dtype} is "
+                     f"{resolved_dtype(args.dtype)} on this CPU: add --dtype float32")
     return args
 
 

@@ -15,6 +15,7 @@ from pagedllm.backends.openvino.backend import OpenVINOBackend
 OPENVINO, WHY_NOT = OpenVINOBackend.is_available()
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "benchmarks" / "compare_vllm.py"
+pytestmark = pytest.mark.cpu_isa  # the harness's --dtype auto follows the CPU
 
 
 @pytest.mark.skipif(not OPENVINO, reason=f"openvino backend unavailable: {WHY_NOT}")
@@ -24,7 +25,7 @@ def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tm
     work = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, str(HARNESS), "--smoke", "--workloads", "W1", "--engines", ",".join(engines),
-         "--openvino-kv-cache", "fp32", "--model", str(tiny_llama), "--work-dir", str(work)],
+         "--openvino-kv-cache", "fp32", "--dtype", "float32", "--model", str(tiny_llama), "--work-dir", str(work)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((work / "summary.json").read_text())
@@ -35,6 +36,13 @@ def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tm
     # Same IR, fp32 inference and KV cache, the same token ids: the same greedy tokens.
     assert "W1 first request, first 16 greedy tokens: pagedllm-ov and OV GenAI agree" in summary["notes"]
     assert "pagedllm-ov/OV GenAI" in proc.stdout
+
+
+def test_an_fp32_openvino_kv_cache_without_float32_inference_is_refused_before_any_run():
+    proc = subprocess.run([sys.executable, str(HARNESS), "--engines", "pagedllm-openvino", "--openvino-kv-cache",
+                           "fp32", "--dtype", "bfloat16"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--openvino-kv-cache fp32 needs float32 inference, and --dtype bfloat16 is bfloat16" in proc.stderr
 
 
 def test_unknown_engines_are_refused_with_the_choices():

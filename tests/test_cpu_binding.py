@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from pagedllm.cpu_binding import Topology, format_cpu_list, parse_cpu_list, plan_threads, process_cpus
+from pagedllm.backends.cpu_binding import Topology, format_cpu_list, parse_cpu_list, plan_threads, process_cpus
 from pagedllm.errors import ConfigError
 
 

@@ -10,6 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_source import resolve_model
 
+pytestmark = pytest.mark.cpu_isa  # the kernels' build follows the CPU's ISA level
 PROMPTS = [
     "Tell me about Paris",
     "Write a haiku about the sea.",

@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
-from pagedllm.backends.cpu.cpu_features import has_native_bf16
+from pagedllm.backends import cpu_features
 from pagedllm.backends.cpu.ipex import ipex_status
 from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
 from pagedllm.backends.cpu.model_runner import ModelRunner
 from pagedllm.backends.cpu.allocator import keep_freed_memory
 from pagedllm.backends.cpu.threads import ThreadBinder
-from pagedllm.cpu_binding import plan_threads
+from pagedllm.backends.cpu_binding import plan_threads
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -61,7 +61,7 @@ class CPUBackend(Backend):
         if config.quantize_weights != "none":
             raise ConfigError(f"the cpu backend has no {config.quantize_weights} weight compression; use "
                               f"--backend openvino for it, or --quantize-weights none")
-        self.dtype, self.dtype_reason = choose_dtype(config.dtype, has_native_bf16())
+        self.dtype, self.dtype_reason = choose_dtype(config.dtype, cpu_features.has_native_bf16())
         self.cache_kind, self.cache_dtype, self.cache_reason = choose_kv_cache(config.kv_cache_dtype, self.dtype)
         self.thread_plan = plan_threads(config.cpu_omp_threads_bind, reserve_for_server=config.serving)
         self.runner: ModelRunner | None = None
@@ -71,6 +71,7 @@ class CPUBackend(Backend):
             raise ConfigError(
                 f"{self.model.path} is an OpenVINO export; run it with --backend openvino, or give the cpu "
                 f"backend a Hugging Face folder or a GGUF file")
+        logger.info("CPU: %s", cpu_features.describe())
         logger.info("dtype: %s; KV cache: %s", self.dtype_reason, self.cache_reason)
         logger.info("threads: %s", self.thread_plan.describe())
         for warning in self.thread_plan.warnings:
@@ -107,4 +108,5 @@ class CPUBackend(Backend):
                 f"(IPEX: {ipex_status()})")
 
     def shutdown(self) -> None:
+        self.release_thread()
         self.runner = None

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from pagedllm.cpu_binding import ThreadPlan, format_cpu_list
+from pagedllm.backends.cpu_binding import ThreadPlan, format_cpu_list
 
 logger = logging.getLogger("pagedllm.cpu")
 

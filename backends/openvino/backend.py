@@ -13,8 +13,9 @@ import logging
 import numpy as np
 
 from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
+from pagedllm.backends import cpu_features
 from pagedllm.memory import tcmalloc_loaded
-from pagedllm.backends.openvino.precision import Precision, choose_precision
+from pagedllm.backends.openvino.precision import Precision, choose_precision, cpu_capabilities
 
 logger = logging.getLogger("pagedllm.openvino")
 
@@ -72,13 +73,14 @@ class OpenVINOBackend(Backend):
         to_paged_attention(model)
         gather_before_lm_head(model)
 
-        capabilities = frozenset(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+        capabilities = cpu_capabilities(core)
         self.precision = choose_precision(self.config.dtype, self.config.kv_cache_dtype, capabilities)
         threads, self.threads_applied = thread_properties(self.config.cpu_omp_threads_bind, self.config.serving)
         compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads})
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         self.request = compiled.create_infer_request()
         self.kv_cache = PagedKVCache(compiled)
+        logger.info("CPU: %s", cpu_features.describe())
         logger.info("precision: %s; the compiled model runs %s with a %s KV cache", self.precision.reason,
                     self.inference_precision, self.kv_cache.element_type)
         if self.inference_precision != self.precision.inference:

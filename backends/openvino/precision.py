@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedllm import ConfigError
+from pagedllm.backends import cpu_features
 
 # --kv-cache-dtype spelling -> OpenVINO element type name
 _KV_TYPES = {"u8": "u8", "bf16": "bf16", "fp16": "f16", "fp32": "f32"}
@@ -22,6 +23,14 @@ class Precision:
 
     def compile_properties(self) -> dict[str, str]:
         return {"INFERENCE_PRECISION_HINT": self.inference, "KV_CACHE_PRECISION": self.kv_cache}
+
+
+def cpu_capabilities(core) -> frozenset[str]:
+    """The CPU device's OPTIMIZATION_CAPABILITIES, without BF16 when PAGEDLLM_CPU_ISA is below avx512_bf16."""
+    capabilities = frozenset(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    if not cpu_features.has_native_bf16(cpu_features.kernel_level()):
+        capabilities -= {"BF16"}
+    return capabilities
 
 
 def choose_precision(dtype: str, kv_cache_dtype: str, capabilities: frozenset[str]) -> Precision:

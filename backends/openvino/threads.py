@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.cpu_binding import plan_threads
+from pagedllm.backends.cpu_binding import plan_threads
 
 logger = logging.getLogger("pagedllm.openvino")
 

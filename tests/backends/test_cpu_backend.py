@@ -14,10 +14,10 @@ from transformers import AutoConfig
 from tiny_models import kv_bytes_per_block
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
-from pagedllm.backends.cpu.cpu_features import has_native_bf16
+from pagedllm.backends import cpu_features
 from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.allocator import tcmalloc_status
-from pagedllm.cpu_binding import process_cpus
+from pagedllm.backends.cpu_binding import process_cpus
 from pagedllm.memory import tcmalloc_loaded
 
 
@@ -29,10 +29,14 @@ def test_dtype_choice():
     assert choose_dtype("float32", native_bf16=True)[0] == torch.float32
 
 
-def test_native_bf16_is_read_from_cpu_flags():
-    assert has_native_bf16(frozenset({"avx512f", "avx512_bf16"}))
-    assert has_native_bf16(frozenset({"amx_bf16"}))
-    assert not has_native_bf16(frozenset({"avx2", "avx512f"}))
+pytestmark = pytest.mark.cpu_isa  # dtype auto and the kernel path follow the CPU
+
+
+def test_dtype_auto_follows_the_isa_level_in_use(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_space=0.01, max_model_len=128)
+    expected = "bfloat16" if cpu_features.has_native_bf16() else "float32"
+    assert llm.engine.model_info.dtype == expected
+    llm.shutdown()
 
 
 def test_kv_cache_choice():
@@ -124,6 +128,11 @@ def test_the_calling_thread_is_pinned_only_while_the_model_runs(tiny_llama):
     llm.generate(["a prompt", "another one"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert during and all(cpu_set == {cpus[0]} for cpu_set in during)
     assert os.sched_getaffinity(0) == before  # the user's thread is not left on one CPU
+    llm.engine.add_request(None, "a third", SamplingParams(max_tokens=3))
+    llm.engine.step()
+    assert os.sched_getaffinity(0) == {cpus[0]}  # stepping by hand keeps the pin between steps ...
+    llm.shutdown()
+    assert os.sched_getaffinity(0) == before  # ... until shutdown
 
 
 @pytest.mark.parametrize("kv_dtype, element", [("fp32", 4), ("bf16", 2)])

@@ -7,6 +7,7 @@ from tiny_models import ARCHITECTURES, kv_bytes_per_block
 from pagedllm import LLM
 from pagedllm.backends.cpu import attention
 
+pytestmark = pytest.mark.cpu_isa  # the kernels' build follows the CPU's ISA level
 LENGTHS = [1, 5, 16, 17, 31, 40, 64, 90, 7]  # block-aligned, one past a block, single token, ...
 
 

@@ -8,7 +8,7 @@ from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
 
 kernels, _ = load_kernels("auto")
-pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernel could not be built here")
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernel could not be built here"), pytest.mark.cpu_isa]
 
 BS, HKV, GROUPS, D = 16, 3, 3, 64
 

@@ -5,7 +5,7 @@ import torch
 
 from pagedllm.backends.cpu.packed_linear import PackedLinear, can_pack, use_packed_linears
 
-pytestmark = pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN weight packing")
+pytestmark = [pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN weight packing"), pytest.mark.cpu_isa]
 
 
 @pytest.mark.parametrize("bias", [True, False])

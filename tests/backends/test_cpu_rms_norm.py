@@ -10,7 +10,7 @@ from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 
 kernels, _ = load_kernels("auto")
-pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])

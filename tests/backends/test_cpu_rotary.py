@@ -14,7 +14,7 @@ from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rotary import use_fused_rotary
 
 kernels, _ = load_kernels("auto")
-pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
 
 
 def _config(cls, head_dim=16, heads=4, kv_heads=2, **extra):

@@ -9,7 +9,7 @@ from openvino_support import requires_openvino, teacher_forced_top1
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_source import resolve_model
 
-pytestmark = [requires_openvino, pytest.mark.slow]
+pytestmark = [requires_openvino, pytest.mark.slow, pytest.mark.cpu_isa]
 
 # A system message longer than two 32-token blocks, so the prompts share full blocks.
 SYSTEM = ("You are a careful assistant for a travel and science magazine. Answer in plain English, in short "
@@ -99,7 +99,9 @@ def test_u8_cache_holds_about_1_7x_the_blocks_of_bf16(u8_llm):
     A bf16 cache needs AVX512_BF16/AMX; fp16 has the same size and runs everywhere."""
     import openvino as ov
 
-    half = "bf16" if "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES") else "fp16"
+    from pagedllm.backends.openvino.precision import cpu_capabilities
+
+    half = "bf16" if "BF16" in cpu_capabilities(ov.Core()) else "fp16"
     half_llm = make_llm(kv_cache_dtype=half, dtype="auto")
     ratio = u8_llm.engine.num_blocks / half_llm.engine.num_blocks
     assert 1.6 < ratio < 1.8, ratio
