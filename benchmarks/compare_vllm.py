@@ -97,10 +97,9 @@ class Harness:
 
     # -- vLLM ---------------------------------------------------------------------------------------------
     def prepare_vllm(self) -> None:
-        flags = vllm_cpu_env.cpu_flags()
-        print("CPU: " + ", ".join(f"{name} {'yes' if flag in flags else 'no'}" for name, flag in (
-            ("AVX2", "avx2"), ("AVX512F", "avx512f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16"))),
-            flush=True)
+        from pagedllm.backends.cpu_features import describe
+
+        print(f"CPU: {describe()}", flush=True)
         log_path = self.work_dir / "vllm-setup.log"
         if vllm_cpu_env.setup_record(self.venv) is None:
             print(f"setting up vLLM CPU {vllm_cpu_env.VLLM_VERSION} in {self.venv} (about 4 minutes and 3.4 GB "

@@ -105,18 +105,6 @@ def vllm_environ(venv: Path, threads_bind: str = "0-1", kv_cache_space: str = "4
     return env
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def probe_vllm(venv: Path, env: dict[str, str], timeout: float = 600) -> str | None:
     """None if ``import vllm`` works in the venv; else what went wrong, in a line or a few. (Whether its kernels
     run on this CPU only a real run shows.)"""
