@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-test test
+.PHONY: install install-test test import-map
 
 # optimum-intel (openvino backend) goes in with --no-deps: it declares torchvision, whose PyPI wheel pulls a
 # CUDA torch or breaks the CPU one; the [openvino] extra pins what it needs instead.
@@ -20,3 +20,10 @@ install-test: install
 test: install-test
 	$(PYTHON) -m pytest
 	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTHON) -m pytest -m cpu_isa
+
+# The import names as folders (pagedllm -> core/, pagedllm.backends -> backends/, pagedllm.plugins -> plugins/),
+# for tools that follow imports by path; pyright and mypy find it through pyproject.toml.
+import-map:
+	rm -rf build/import-map && mkdir -p build/import-map/pagedllm
+	for entry in core/*; do ln -s ../../../$$entry build/import-map/pagedllm/; done
+	ln -s ../../../backends ../../../plugins build/import-map/pagedllm/

@@ -12,8 +12,12 @@ import dataclasses
 import os
 from pathlib import Path
 
+from pagedllm.config import Setting
 from pagedllm.errors import ConfigError
 
+THREADS_BIND = Setting("cpu_omp_threads_bind", str, "auto",
+                       "CPUs of the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7",
+                       env_aliases=("VLLM_CPU_OMP_THREADS_BIND",))
 SYSFS = Path("/sys/devices/system")
 # The CPUs this process may use, read before anything pins a thread (binding pins the calling thread to one
 # CPU, so a later engine in the same process would otherwise see only that one).

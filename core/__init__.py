@@ -1,42 +1,51 @@
-"""pagedllm: LLM inference and serving on CPUs over a paged KV cache."""
+"""pagedllm: LLM inference and serving on CPUs over a paged KV cache.
+
+This package is the folder ``core/``; ``pagedllm.backends`` is ``backends/`` and ``pagedllm.plugins`` is
+``plugins/`` (``package-dir`` in pyproject.toml). The names below load on first use, so that a backend importing
+only the contract (``pagedllm.backend``, ``pagedllm.batch``, ``pagedllm.errors``) does not pull in the engine,
+the scheduler or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from pagedllm.logger import configure_logging
 
 configure_logging()
 
-from pagedllm.backend import Backend, ModelInfo  # noqa: E402
-from pagedllm.batch import Batch  # noqa: E402
-from pagedllm.config import EngineArgs, EngineConfig  # noqa: E402
-from pagedllm.engine import LLMEngine  # noqa: E402
-from pagedllm.errors import (  # noqa: E402
-    BackendNotFoundError,
-    ConfigError,
-    InvalidRequestError,
-    ModelNotFoundError,
-    UnsupportedModelError,
-)
-from pagedllm.llm import LLM  # noqa: E402
-from pagedllm.model_source import ModelSource  # noqa: E402
-from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import SamplingParams  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "LLMEngine",
-    "EngineArgs",
-    "EngineConfig",
-    "Backend",
-    "ModelInfo",
-    "ModelSource",
-    "Batch",
-    "BackendNotFoundError",
-    "ConfigError",
-    "InvalidRequestError",
-    "ModelNotFoundError",
-    "UnsupportedModelError",
-]
+# public name -> the module that defines it
+_EXPORTS = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "LLMEngine": "pagedllm.engine",
+    "EngineArgs": "pagedllm.config",
+    "EngineConfig": "pagedllm.config",
+    "Backend": "pagedllm.backend",
+    "ModelInfo": "pagedllm.backend",
+    "ModelSource": "pagedllm.model_source",
+    "Batch": "pagedllm.batch",
+    "BackendNotFoundError": "pagedllm.errors",
+    "ConfigError": "pagedllm.errors",
+    "InvalidRequestError": "pagedllm.errors",
+    "ModelNotFoundError": "pagedllm.errors",
+    "UnsupportedModelError": "pagedllm.errors",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

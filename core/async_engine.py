@@ -21,6 +21,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.stats import EngineStats, StatsLogger
 
 logger = logging.getLogger("pagedllm.async_engine")
 
@@ -29,21 +30,6 @@ RequestSpec = tuple[str, PromptType, SamplingParams]  # (request id, prompt, sam
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped (a step failed, or it was shut down): no request can be served."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStatsSnapshot:
-    """The engine's counters, copied on the engine thread after each step so other threads read them race-free."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
 
 
 @dataclasses.dataclass
@@ -133,7 +119,8 @@ class AsyncLLMEngine:
     def __init__(self, args: EngineArgs | None = None,
                  on_step: Callable[[StepLatencies], None] | None = None) -> None:
         self.on_step = on_step
-        self.stats = EngineStatsSnapshot()
+        self.stats = EngineStats()  # the engine's latest snapshot, taken on its thread after each step
+        self._stats_log = StatsLogger(logger)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # orders _submit against the thread's death
@@ -272,15 +259,8 @@ class AsyncLLMEngine:
         return deliveries
 
     def _publish(self, engine: LLMEngine) -> None:
-        prefix_cache = engine.kv_manager.prefix_cache
-        stats = engine.stats
-        self.stats = EngineStatsSnapshot(
-            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-            kv_cache_usage=engine.kv_manager.usage,
-            prefix_cache_queries=prefix_cache.queries if prefix_cache is not None else 0,
-            prefix_cache_hits=prefix_cache.hits if prefix_cache is not None else 0,
-            num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens, steps=stats.steps)
+        self.stats = engine.stats()
+        self._stats_log.observe(self.stats, time.monotonic())
 
     def _die(self, engine: LLMEngine, error: EngineDeadError) -> None:
         """End every request and pending add with ``error``; later submissions raise it."""

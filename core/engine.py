@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.backend import Backend, ModelInfo
-from pagedllm.batch import BatchBuilder
+from pagedllm.batch_builder import BatchBuilder
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import ConfigError, InvalidRequestError
@@ -30,6 +30,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.stats import EngineStats
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -55,7 +56,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
         self._ids = itertools.count()
         self._groups: dict[str, _Group] = {}
-        self.stats = EngineStats()
+        self._counters = _Counters()
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -65,7 +66,7 @@ class LLMEngine:
         args = args or EngineArgs()
         backend_name = resolve_backend_name(args)
         backend_cls = get_backend_class(backend_name)
-        config = resolve(args, backend_cls.env_vars)
+        config = resolve(args, backend_cls.env_vars, backend_settings=backend_cls.settings)
         config.backend = backend_name
         config.serving = serving
         source = resolve_model(config.model)
@@ -123,13 +124,13 @@ class LLMEngine:
         request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0)
         self._groups[request_id] = _Group(params.n, [request])
         self.scheduler.add_request(request)
-        self.stats.prompt_tokens += len(token_ids)
+        self._counters.prompt_tokens += len(token_ids)
         return request_id
 
     def _new_sequence(self, seq_id: str, token_ids: list[int], params: SamplingParams, text: str | None,
                       arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int) -> Request:
         request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
-                          max_model_len=self.config.max_model_len, group_id=group_id, index=index)
+                          group_id=group_id, index=index)
         if params.detokenize:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
@@ -175,14 +176,13 @@ class LLMEngine:
         """Run one forward pass. Returns an output for every request that made progress; its
         ``outputs`` hold the sequences that progressed in this step (cumulative, with their deltas)."""
         sched = self.scheduler.schedule()
+        self.batch_builder.release(sched.released_ids)
         if sched.empty:
-            for request_id in sched.released_ids:
-                self.batch_builder.release(request_id)
             return []
         batch, order, sampling = self.batch_builder.build(sched)
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
-        self.stats.on_step(self, sched.num_batched_tokens)
+        self._counters.on_step(sched.num_batched_tokens, self.kv_manager, self.scheduler.running)
         requests = [order[i].request for i in sampling]
         if any(r.num_pending_forks for r in requests):
             requests, rows = self._fork_groups(requests)
@@ -196,8 +196,8 @@ class LLMEngine:
         return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
 
     def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
-        """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings sharing
-        the prompt's blocks. They sample from the same logits row in this step."""
+        """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings, which the scheduler
+        admits sharing the prompt's blocks. Those admitted sample from the same logits row in this step."""
         expanded: list[Request] = []
         rows: list[int] = []
         copies: list[tuple[int, int]] = []
@@ -206,23 +206,15 @@ class LLMEngine:
             rows.append(row)
             if not request.num_pending_forks:
                 continue
-            group = self._groups[request.group_id]
-            for index in range(1, request.num_pending_forks + 1):
-                sibling = self._new_sequence(
-                    f"{request.group_id}:{index}", request.prompt_token_ids, request.params, request.prompt,
-                    request.arrival_time, request.stop_ids, request.group_id, index)
-                sibling.first_scheduled_time = request.first_scheduled_time
-                group.members.append(sibling)
-                copy = self.kv_manager.fork(request, sibling)
-                if copy is None:  # no block for its copy of the partial block: it recomputes its prompt
-                    self.scheduler.add_waiting_front(sibling)
-                    continue
-                self.scheduler.add_running(sibling)
-                if copy[0] >= 0:
-                    copies.append(copy)
-                expanded.append(sibling)
-                rows.append(row)
-            request.num_pending_forks = 0
+            siblings = [self._new_sequence(f"{request.group_id}:{index}", request.prompt_token_ids, request.params,
+                                           request.prompt, request.arrival_time, request.stop_ids, request.group_id,
+                                           index)
+                        for index in range(1, request.num_pending_forks + 1)]
+            self._groups[request.group_id].members.extend(siblings)
+            admitted, block_copies = self.scheduler.fork(request, siblings)
+            copies += block_copies
+            expanded += admitted
+            rows += [row] * len(admitted)
         if copies:
             src, dst = zip(*copies)
             self.backend.copy_blocks(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
@@ -231,7 +223,7 @@ class LLMEngine:
     def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> CompletionOutput:
         params = request.params
         request.append_token(token_id)
-        self.stats.generation_tokens += 1
+        self._counters.generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
         if logprobs is not None:
@@ -284,10 +276,22 @@ class LLMEngine:
         finished = group.unfinished == 0
         if finished:
             del self._groups[group_id]
-            self.stats.finished_requests += 1
+            self._counters.finished_requests += 1
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
                                  min(m.first_token_time or now for m in group.members), now if finished else None)
         return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters (immutable: safe to hand to another thread)."""
+        kv, cache, c = self.kv_manager, self.kv_manager.prefix_cache, self._counters
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.allocator.num_used, peak_kv_blocks=c.peak_blocks_used,
+            kv_waste_at_peak=c.peak_waste, prefix_caching=cache is not None,
+            prefix_cache_queries=cache.queries if cache is not None else 0,
+            prefix_cache_hits=cache.hits if cache is not None else 0, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, batched_tokens=c.batched_tokens,
+            steps=c.steps, finished_requests=c.finished_requests)
 
     def release_thread(self) -> None:
         """The calling thread is done stepping for now; the backend undoes its per-thread settings."""
@@ -307,8 +311,8 @@ class _Group:
         self.unfinished = n
 
 
-class EngineStats:
-    """Counters for logs, benchmarks and metrics; updated in O(1) per step."""
+class _Counters:
+    """The engine's running totals behind ``stats()``; O(1) per step but when the KV peak rises."""
 
     def __init__(self) -> None:
         self.steps = 0
@@ -319,13 +323,13 @@ class EngineStats:
         self.peak_waste = 0.0
         self.finished_requests = 0
 
-    def on_step(self, engine: LLMEngine, num_batched_tokens: int) -> None:
+    def on_step(self, num_batched_tokens: int, kv_manager: KVCacheManager, running: list[Request]) -> None:
         self.steps += 1
         self.batched_tokens += num_batched_tokens
-        used = engine.kv_manager.allocator.num_used
+        used = kv_manager.allocator.num_used
         if used > self.peak_blocks_used:
             self.peak_blocks_used = used
-            self.peak_waste = KVCacheManager.waste(engine.scheduler.running, engine.config.block_size)
+            self.peak_waste = KVCacheManager.waste(running, kv_manager.block_size)
 
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:

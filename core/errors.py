@@ -1,6 +1,9 @@
-"""Errors the core raises on purpose: each says what was wrong and what to change."""
+"""Errors the core raises on purpose: each says what was wrong and what to change. Imports nothing: backends
+raise these too."""
 
-from pagedllm.plugins.manager import BackendNotFoundError
+
+class BackendNotFoundError(ValueError):
+    """The requested backend does not exist or cannot run on this machine."""
 
 
 class ConfigError(ValueError):

@@ -116,11 +116,6 @@ class KVCacheManager:
         request.num_cached_blocks = 0
 
     # -- numbers -------------------------------------------------------------------------------
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return self.allocator.num_used / self.num_blocks
-
     @staticmethod
     def waste(requests: list[Request], block_size: int) -> float:
         """Allocated slots not holding a token, over allocated slots, across ``requests``."""

@@ -21,7 +21,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, backend=backend, **engine_args))
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, backend=backend, **engine_args))
 
     @property
     def tokenizer(self):

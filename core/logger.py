@@ -26,6 +26,3 @@ def configure_logging() -> None:
     root.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
     root.propagate = False
 
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name if name.startswith("pagedllm") else f"pagedllm.{name}")

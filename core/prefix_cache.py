@@ -67,9 +67,3 @@ class PrefixCache:
         key = self._key_of.pop(block, None)
         if key is not None:
             del self._block_of[key[0]]
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._key_of
-
-    def reset_counters(self) -> None:
-        self.queries = self.hits = 0

@@ -27,8 +27,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, arrival_time: float | None = None,
-                 stop_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
-                 group_id: str | None = None, index: int = 0) -> None:
+                 stop_ids: frozenset[int] = frozenset(), group_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
         # With n > 1, the n sequences are requests of one group; sequence 0 forks the others once its
         # prompt is computed, so they share the prompt's KV blocks.
@@ -42,7 +41,6 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.stop_ids = stop_ids  # EOS ids (unless ignore_eos) plus stop_token_ids
-        self.max_model_len = max_model_len
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -53,7 +51,6 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full blocks of all_token_ids
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.num_published_blocks = 0  # of those, how many were computed before the current step
-        self.num_preemptions = 0
 
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
@@ -61,7 +58,6 @@ class Request:
 
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.finished_time: float | None = None
         self.detokenizer = None  # set by the engine when text is wanted
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0

@@ -32,7 +32,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
         self._adjust_logits(logits, requests)
-        # numpy's argmax: ~9x faster than torch's here (0.4 vs 3.2 ms for 64 rows of a 49k vocabulary), same ties.
+        # numpy's argmax: several times faster than torch's for a batch of rows, the same ties.
         tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:

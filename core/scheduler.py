@@ -53,23 +53,30 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """Admit a request that already holds its KV blocks (a sibling forked from a running request)."""
-        request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
-        self.running.append(request)
-
-    def add_waiting_front(self, request: Request) -> None:
-        """Queue a request ahead of the others (a sibling that could not be forked: it recomputes)."""
-        self.requests[request.request_id] = request
-        self.waiting.appendleft(request)
+    def fork(self, parent: Request, children: list[Request]) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Admit the other sequences of ``parent``'s group (n > 1) once its prompt is computed, sharing its KV
+        blocks. Returns the children now running, and the (source, destination) blocks the backend must copy
+        (each child's own copy of the partial last block); a child that finds no free block for that copy waits
+        at the front of the queue and recomputes its prompt."""
+        admitted: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child.request_id] = child
+            copy = self.kv.fork(parent, child)
+            if copy is None:
+                self.waiting.appendleft(child)
+                continue
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            admitted.append(child)
+            if copy[0] >= 0:
+                copies.append(copy)
+        parent.num_pending_forks = 0
+        return admitted, copies
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length, aborted) and free its blocks at once."""
@@ -81,7 +88,6 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.status = status
-        request.finished_time = time.time()
         self.requests.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
@@ -100,7 +106,6 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

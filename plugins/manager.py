@@ -10,6 +10,7 @@ import os
 
 import pluggy
 
+from pagedllm.errors import BackendNotFoundError
 from pagedllm.plugins import hookspecs
 
 logger = logging.getLogger("pagedllm.plugins")
@@ -22,10 +23,6 @@ _INSTALL_HINTS = {
     "cpu": 'pip install "pagedllm[cpu]"',
     "openvino": 'make install, or pip install "pagedllm[openvino]" then pip install --no-deps optimum-intel==2.2.0',
 }
-
-
-class BackendNotFoundError(ValueError):
-    """The requested backend does not exist or cannot run on this machine."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +100,11 @@ def _registered_classes() -> list[tuple[type, str]]:
         impl.function(register=registered.append)
         found.extend((cls, plugin_name) for cls in registered)
     return found
+
+
+def registered_backend_classes() -> list[type]:
+    """Every registered backend class, available here or not (their settings exist either way)."""
+    return [cls for cls, _ in _registered_classes()]
 
 
 def _info(cls: type, plugin_name: str) -> BackendInfo:

@@ -29,7 +29,7 @@ def test_usage_and_waste():
     r = make_request("a", 5)
     kv.allocate_slots(r, 5)
     r.num_computed_tokens = 5
-    assert kv.usage == 0.5
+    assert kv.allocator.num_used == 2
     assert KVCacheManager.waste([r], 4) == 3 / 8
     kv.free(r)
-    assert kv.usage == 0 and r.block_ids == []
+    assert kv.allocator.num_used == 0 and r.block_ids == []

@@ -1,10 +1,9 @@
 """The process's memory allocator: say which one is in use, and stop glibc's from handing freed memory back.
 
 A prefill step allocates and frees tensors of tens of MB by the hundred. glibc's malloc returns such blocks to the
-kernel (mmap above its threshold, trimming of the heap top), so the next step faults every page in again: 50-180
-thousand minor faults per 2048-token step measured here, where first-touch faults are dear (a VM). Keeping freed
-memory inside the process, as TCMalloc does, brings that to under a hundred; the price is a resident size that
-stays at the step's high-water mark, which a serving process reaches anyway.
+kernel (mmap above its threshold, trimming of the heap top), so the next step faults every page in again, and
+first-touch faults are dear in a VM. Keeping freed memory inside the process, as TCMalloc does, avoids that; the
+price is a resident size that stays at the step's high-water mark, which a serving process reaches anyway.
 """
 
 from __future__ import annotations

@@ -14,27 +14,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm import Batch
+from pagedllm.batch import Batch
 from pagedllm.backends.cpu import kv_cache
 
 ATTENTION_NAME = "pagedllm_cpu"
 
 
+# Prompt chunks padded together on the pure torch path: the longest of a group is at most this many times the
+# shortest, plus a slack so that very short chunks do not each get a group of their own.
+_BUCKET_RATIO, _BUCKET_SLACK = 2, 16
+# A shared prefix is read once per tile of sequences only when it pays for the merge: enough sequences share
+# enough blocks.
+_SHARED_MIN_SEQS, _SHARED_MIN_BLOCKS = 4, 4
+
+
 def _length_buckets(lengths: list[int]) -> list[list[int]]:
-    """Indices grouped so that within a group the longest is at most twice the shortest (plus 16):
-    padding then costs at most ~2x, and the number of groups grows with log(longest / shortest)."""
+    """Indices grouped so that within a group the longest is at most _BUCKET_RATIO times the shortest (plus
+    _BUCKET_SLACK): padding then costs at most ~2x, and the number of groups grows with log(longest / shortest)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
-        if groups and lengths[groups[-1][0]] <= 2 * lengths[i] + 16:
+        if groups and lengths[groups[-1][0]] <= _BUCKET_RATIO * lengths[i] + _BUCKET_SLACK:
             groups[-1].append(i)
         else:
             groups.append([i])
     return groups
 
 
-def shared_prefix_blocks(table: torch.Tensor, lens: torch.Tensor, block_size: int, min_seqs: int = 4,
-                         min_blocks: int = 4) -> int:
+def shared_prefix_blocks(table: torch.Tensor, lens: torch.Tensor, block_size: int, min_seqs: int = _SHARED_MIN_SEQS,
+                         min_blocks: int = _SHARED_MIN_BLOCKS) -> int:
     """How many leading block-table columns hold the same block for every sequence (a prompt prefix they share
     through the prefix cache), counting only blocks each sequence filled before its newest token; 0 when fewer than
     ``min_seqs`` sequences or ``min_blocks`` blocks would share. The decode kernel then reads those blocks once per
@@ -165,13 +173,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)
+    scale = dim ** -0.5 if scaling is None else scaling
+    if md.kernels is not None:
+        caches = kv_cache.kernel_arguments(k_cache, v_cache)
     if nd and md.kernels is not None:
+        new_rows = dict(new_keys=new_keys[:nd], new_values=new_values[:nd], slots=md.dec_slots) if kernel_writes else {}
         md.kernels.paged_decode_attention(
-            out[:nd], q[:nd], k_cache.data, v_cache.data, getattr(k_cache, "scale", None),
-            getattr(k_cache, "minimum", None), getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None),
-            md.dec_table, md.dec_lens, dim ** -0.5 if scaling is None else scaling, window or -1,
-            *((new_keys[:nd], new_values[:nd], md.dec_slots) if kernel_writes else (None, None, None)),
-            shared_blocks=0 if window else md.dec_shared)
+            out=out[:nd], query=q[:nd], **caches, block_table=md.dec_table, seq_lens=md.dec_lens, scale=scale,
+            window=window or -1, shared_blocks=0 if window else md.dec_shared, **new_rows)
     elif nd:
         keys = k_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
         values = v_cache.gather(md.dec_blocks, nd, md.dec_num_blocks, dtype)
@@ -180,9 +189,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         out[:nd] = od.reshape(nd, num_heads, dim)
     if md.num_prefills and md.kernels is not None:
         md.kernels.paged_prefill_attention(
-            out, q, k_cache.data, v_cache.data, getattr(k_cache, "scale", None), getattr(k_cache, "minimum", None),
-            getattr(v_cache, "scale", None), getattr(v_cache, "minimum", None), md.pf_table, md.pf_past,
-            md.pf_starts, md.pf_lens, dim ** -0.5 if scaling is None else scaling, window or -1)
+            out=out, query=q, **caches, block_table=md.pf_table, past_lens=md.pf_past, q_starts=md.pf_starts,
+            q_lens=md.pf_lens, scale=scale, window=window or -1)
     for group in md.prefill_groups:
         p, max_q = group.size, group.max_q
         keys = k_cache.gather(group.blocks, p, group.num_blocks, dtype)

@@ -7,16 +7,23 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
+from pagedllm.backend import Backend, ModelInfo
+from pagedllm.batch import Batch
+from pagedllm.config import EngineConfig
+from pagedllm.errors import ConfigError
+from pagedllm.model_source import ModelSource
 from pagedllm.backends import cpu_features
 from pagedllm.backends.cpu.ipex import ipex_status
 from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
 from pagedllm.backends.cpu.model_runner import ModelRunner
 from pagedllm.backends.cpu.allocator import keep_freed_memory
 from pagedllm.backends.cpu.threads import ThreadBinder
-from pagedllm.backends.cpu_binding import plan_threads
+from pagedllm.backends.cpu_binding import THREADS_BIND, plan_threads
 
 logger = logging.getLogger("pagedllm.cpu")
+# Each attention thread widens one block's rows to float32 at a time (block_size x head_size): large blocks would
+# spill that out of L2.
+MAX_BLOCK_SIZE = 1024
 
 
 def choose_dtype(requested: str, native_bf16: bool) -> tuple[torch.dtype, str]:
@@ -46,24 +53,21 @@ def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torc
 
 class CPUBackend(Backend):
     name = "cpu"
-    # 8, not vLLM's 16: half a block per sequence is what a paged cache wastes; at 8 that is <1% of W1's slots at
-    # its peak (16: 2.8%), for ~2% of a decode step (the kernel reads 2 KiB runs instead of 4 KiB; measured).
+    # 8, not vLLM's 16: half a block per sequence is what a paged cache wastes, for little kernel time.
     default_block_size = 8
     writes_kv_before_attention = True  # see attention.paged_attention: write, then attend
     env_vars = {
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
-        "cpu_omp_threads_bind": ("VLLM_CPU_OMP_THREADS_BIND",),
     }
+    settings = (THREADS_BIND,)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
-        if config.quantize_weights != "none":
-            raise ConfigError(f"the cpu backend has no {config.quantize_weights} weight compression; use "
-                              f"--backend openvino for it, or --quantize-weights none")
         self.dtype, self.dtype_reason = choose_dtype(config.dtype, cpu_features.has_native_bf16())
         self.cache_kind, self.cache_dtype, self.cache_reason = choose_kv_cache(config.kv_cache_dtype, self.dtype)
-        self.thread_plan = plan_threads(config.cpu_omp_threads_bind, reserve_for_server=config.serving)
+        self.thread_plan = plan_threads(config.backend_options["cpu_omp_threads_bind"],
+                                        reserve_for_server=config.serving)
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> ModelInfo:
@@ -84,8 +88,8 @@ class CPUBackend(Backend):
         return self.runner.load()
 
     def check_block_size(self, block_size: int) -> None:
-        if block_size > 1024:
-            raise ConfigError(f"block size {block_size} is too large for the cpu backend (at most 1024)")
+        if block_size > MAX_BLOCK_SIZE:
+            raise ConfigError(f"block size {block_size} is too large for the cpu backend (at most {MAX_BLOCK_SIZE})")
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block(self.config.block_size)

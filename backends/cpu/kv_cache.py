@@ -1,5 +1,5 @@
 """Per-layer block caches for keys and values: plain (fp32/bf16) or u8 with a scale and minimum per
-token and head (vLLM's CPU backend has no u8 cache; it holds ~1.8x the tokens of bf16 per GiB).
+token and head (vLLM's CPU backend has no u8 cache; it holds ~1.8x the tokens of bf16 per GiB at head size 64).
 
 Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's paged caches.
 """
@@ -14,8 +14,8 @@ import torch
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros from an anonymous mapping: the kernel hands out zero pages on first touch, so a large cache costs
-    no start-up time and no resident memory until blocks are used. Transparent huge pages are asked for: first
-    writes into 4 KiB pages cost ~2 s per GiB here (a fault per page in a VM), into 2 MiB pages ~0.1 s."""
+    no start-up time and no resident memory until blocks are used. Transparent huge pages are asked for: in a VM a
+    fault per 4 KiB page makes first writes far dearer."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -31,6 +31,7 @@ class BlockCache:
     """One layer's keys or values in the given dtype."""
 
     kernel_writes = True  # the C++ decode kernel can store rows of this cache itself
+    scale = minimum = None  # only u8 caches have them
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int, dtype: torch.dtype) -> None:
         # Zeroed, not empty: masked-out slots are multiplied by 0 in attention, and 0 * NaN is NaN.
@@ -87,10 +88,16 @@ class QuantizedBlockCache:
             t[dst] = t[src]
 
 
+def kernel_arguments(keys: BlockCache | QuantizedBlockCache, values: BlockCache | QuantizedBlockCache) -> dict:
+    """A layer's caches as the C++ attention kernels' keyword arguments."""
+    return dict(key_cache=keys.data, value_cache=values.data, key_scale=keys.scale, key_min=keys.minimum,
+                value_scale=values.scale, value_min=values.minimum)
+
+
 def slot_rows(slots: torch.Tensor, heads: int, block_size: int) -> torch.Tensor:
     """[T * heads] row of each (token, head) in a cache viewed as [num_blocks * heads * block_size, head_size];
     computed once per step for all layers. One row copy (index_copy_) beats the equivalent two-index assignment
-    into the 4-d cache (0.16 vs 0.23 ms for a 2048-token chunk, measured in isolation)."""
+    into the 4-d cache."""
     blocks, offsets = slots // block_size, slots % block_size
     return ((blocks.unsqueeze(1) * heads + torch.arange(heads)) * block_size + offsets.unsqueeze(1)).reshape(-1)
 

@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from pagedllm import Batch, ModelInfo
+from pagedllm.backend import ModelInfo
+from pagedllm.batch import Batch
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
 from pagedllm.backends.cpu.packed_linear import use_packed_linears
@@ -42,7 +43,7 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(self.model_dir)
-        arch = check_supported(config)
+        model_type = check_supported(config)
         attention.register()
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
@@ -58,7 +59,7 @@ class ModelRunner:
         self.head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         self.num_layers = text.num_hidden_layers
         return ModelInfo(
-            architecture=arch.model_type,
+            architecture=model_type,
             vocab_size=text.vocab_size,
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

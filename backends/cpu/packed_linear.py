@@ -1,15 +1,9 @@
 """Float32 linear layers through oneDNN, their weights reordered once at load into its blocked layout.
 
-nn.Linear goes to MKL's sgemm, which re-reads the plain [out, in] weight on every call. oneDNN (inside torch, the
-same kernels OpenVINO uses) with the weight packed once is faster at decode sizes: alone (AVX2, 2 threads, SmolLM2's
-layer shapes over 30 layers, weights cold) 1 row 31 vs 38 ms, 32 rows 81 vs 97, 64 rows 131 vs 137, the 49,152-row
-LM head at 64 rows 32 vs 55 ms; from ~128 rows on both are within noise. Inside a decode step the margin is smaller:
-the same batches run both ways, alternating, against the previous weight @ x.T path through MKL: 1 sequence 59.3
-vs 63.0 ms, 32 sequences 154 vs 157, 64 sequences 277 vs 281; a 2048-token prefill step at parity. The packed weight
-replaces the plain one, so the weights are held once; a head tied to the embeddings keeps the embedding's copy and
-adds its packed one.
-Sums in another order: equal to nn.Linear to fp32 rounding, not bit for bit. bf16 weights keep nn.Linear (its
-bf16 path already is oneDNN; packing them was not measured on a CPU with native bf16).
+nn.Linear goes to MKL's sgemm, which re-reads the plain [out, in] weight on every call; oneDNN (inside torch, the
+same kernels OpenVINO uses) with the weight packed once is faster at decode sizes. The packed weight replaces the
+plain one, so the weights are held once; a head tied to the embeddings keeps the embedding's copy and adds its
+packed one. Sums in another order: equal to nn.Linear to fp32 rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 A module qualifies when its forward is Llama's RMSNorm forward, bytecode for bytecode (Mistral, Qwen2, Qwen3 and
 Phi-3 copy it; Gemma's differs and keeps its own). The fused kernel computes the same float32 expression; only the
-order of the sum of squares differs, so results agree to float32 rounding. Measured on SmolLM2 at a 64-row decode
-step: ~15 ms of ~300 went to these layers in torch.
+order of the sum of squares differs, so results agree to float32 rounding.
 """
 
 from __future__ import annotations

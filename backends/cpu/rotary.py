@@ -1,8 +1,6 @@
 """Llama-family attention layers with RoPE applied by one C++ call, in place on the q and k projections.
 
-transformers rotates the query and the key with six torch ops each (multiplies, a negate, a concat, an add). For
-SmolLM2's layers the kernel takes 18 vs 145 us per layer at 64 tokens, 0.21 vs 2.0 ms at 2048 (measured alone);
-in paired steps (same batch both ways) a 64-sequence decode step is 1.1% faster, a one-sequence step 3.7%.
+transformers rotates the query and the key with six torch ops each (multiplies, a negate, a concat, an add).
 A module qualifies when its forward is Llama's attention forward, bytecode for bytecode (Gemma, Granite and Arcee
 copy it), and the ``apply_rotary_pos_emb`` and ``rotate_half`` its module uses are Llama's too (GLM copies the
 forward but rotates interleaved pairs, so it keeps its own). The kernel does the same float32 arithmetic in the

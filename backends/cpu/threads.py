@@ -1,12 +1,11 @@
 """Applies a ThreadPlan to torch: the number of intra-op threads, and one CPU per OpenMP thread.
 
 OpenMP keeps one thread team per thread that starts parallel work, and two teams in one process slow each
-other down badly (measured: a small elementwise op took 10x longer on a second thread once the main thread had
-a team). So the model runs on whichever thread calls it (the engine's), and that thread's team is pinned the
-first time it runs the model: with the C++ extension's ``bind_threads`` (exact, as vLLM does), or else by
+other down badly. So the model runs on whichever thread calls it (the engine's), and that thread's team is pinned
+the first time it runs the model: with the C++ extension's ``bind_threads`` (exact, as vLLM does), or else by
 pinning the threads that appear while a warm-up op runs (only works on a thread with no team yet).
-The calling thread keeps its pin between steps (unpinning it per step cost ~10% of a decode step: it migrates
-and comes back cold) until ``release``: the in-process ``LLM`` releases the user's thread when ``generate`` returns.
+The calling thread keeps its pin between steps (unpinned, it migrates and comes back cold) until ``release``: the
+in-process ``LLM`` releases the user's thread when ``generate`` returns. Figures: docs/cpu-backend-measurements.md.
 """
 
 from __future__ import annotations

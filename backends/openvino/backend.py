@@ -12,8 +12,13 @@ import logging
 
 import numpy as np
 
-from pagedllm import Backend, Batch, ConfigError, EngineConfig, ModelInfo, ModelSource
+from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends import cpu_features
+from pagedllm.backends.cpu_binding import THREADS_BIND
+from pagedllm.batch import Batch
+from pagedllm.config import EngineConfig, Setting
+from pagedllm.errors import ConfigError
+from pagedllm.model_source import ModelSource
 from pagedllm.memory import tcmalloc_loaded
 from pagedllm.backends.openvino.precision import Precision, choose_precision, cpu_capabilities
 
@@ -25,15 +30,21 @@ _REQUIRED = (("openvino", "openvino"), ("optimum.intel", "optimum-intel"), ("nnc
 _TYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
 
+QUANTIZE_WEIGHTS = Setting(
+    "quantize_weights", str, "none", "weight compression: int8 (or ON) = NNCF int8 weights", ("none", "int8"),
+    aliases={"on": "int8", "1": "int8", "true": "int8", "yes": "int8", "off": "none", "0": "none", "false": "none",
+             "no": "none"},
+    env_aliases=("PAGEDLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS", "VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS"))
+
+
 class OpenVINOBackend(Backend):
     name = "openvino"
     default_block_size = 32  # the CPU plugin's paged attention fixes it
     env_vars = {
         "kv_cache_space": ("PAGEDLLM_OPENVINO_KVCACHE_SPACE", "VLLM_OPENVINO_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_OPENVINO_CPU_KV_CACHE_PRECISION", "VLLM_OPENVINO_CPU_KV_CACHE_PRECISION"),
-        "quantize_weights": ("PAGEDLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS", "VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS"),
-        "cpu_omp_threads_bind": ("VLLM_CPU_OMP_THREADS_BIND",),
     }
+    settings = (QUANTIZE_WEIGHTS, THREADS_BIND)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -46,7 +57,8 @@ class OpenVINOBackend(Backend):
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
-        if model.kind == "openvino" and config.quantize_weights != "none":
+        self.quantize_weights = config.backend_options["quantize_weights"]
+        if model.kind == "openvino" and self.quantize_weights != "none":
             raise ConfigError(
                 f"{model.path} is an OpenVINO export, used as is: its weights cannot be compressed again. Drop "
                 f"--quantize-weights (and VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS), or export it with "
@@ -75,7 +87,8 @@ class OpenVINOBackend(Backend):
 
         capabilities = cpu_capabilities(core)
         self.precision = choose_precision(self.config.dtype, self.config.kv_cache_dtype, capabilities)
-        threads, self.threads_applied = thread_properties(self.config.cpu_omp_threads_bind, self.config.serving)
+        threads, self.threads_applied = thread_properties(self.config.backend_options["cpu_omp_threads_bind"],
+                                                                 self.config.serving)
         compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads})
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         self.request = compiled.create_infer_request()
@@ -106,7 +119,7 @@ class OpenVINOBackend(Backend):
             return self.model.path
         from pagedllm.backends.openvino.export_cache import exported_model
 
-        weight_format = "int8" if self.config.quantize_weights == "int8" else "fp32"
+        weight_format = "int8" if self.quantize_weights == "int8" else "fp32"
         return exported_model(self.model.hf_dir, self.model.name, weight_format)
 
     def check_block_size(self, block_size: int) -> None:
@@ -134,7 +147,7 @@ class OpenVINOBackend(Backend):
         if self.model.kind == "openvino":
             weights = "weights as in the export folder"
         else:
-            weights = "int8 weights (NNCF)" if self.config.quantize_weights == "int8" else "fp32 weights"
+            weights = "int8 weights (NNCF)" if self.quantize_weights == "int8" else "fp32 weights"
         return (f"OpenVINO CPU, inference {self.inference_precision}, KV cache {self.kv_cache.element_type} "
                 f"(blocks of {self.kv_cache.block_size}), {weights}, {self.threads_applied}")
 

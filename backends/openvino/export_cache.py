@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pagedllm import UnsupportedModelError
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_source import cache_dir
 
 logger = logging.getLogger("pagedllm.openvino")

@@ -27,7 +27,7 @@ def gather_before_lm_head(model) -> None:
 
 def _lm_head_matmul(model):
     """The MatMul that produces ``logits``, past any element-wise ops after it (scaling, soft-capping)."""
-    from pagedllm import UnsupportedModelError
+    from pagedllm.errors import UnsupportedModelError
 
     node = model.output("logits").get_node().input_value(0).get_node()
     while node.get_type_name() != "MatMul":

@@ -9,7 +9,7 @@ block_indices, block_indices_begins, max_context_len and key_cache.N / value_cac
 
 from __future__ import annotations
 
-from pagedllm import ConfigError
+from pagedllm.errors import ConfigError
 
 
 def to_paged_attention(model) -> None:

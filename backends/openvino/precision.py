@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedllm import ConfigError
+from pagedllm.errors import ConfigError
 from pagedllm.backends import cpu_features
 
 # --kv-cache-dtype spelling -> OpenVINO element type name

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedllm import Batch
+from pagedllm.batch import Batch
 from pagedllm.backends.openvino.logits_gather import SAMPLED_INDICES
 
 

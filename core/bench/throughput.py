@@ -54,7 +54,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
 def _results(engine, workload: Workload, outputs, elapsed: float, startup: float) -> dict:
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cache = engine.kv_manager.prefix_cache
+    stats = engine.stats()
     config = engine.config
     return {
         "workload": workload.name,
@@ -69,13 +69,13 @@ def _results(engine, workload: Workload, outputs, elapsed: float, startup: float
         "startup_seconds": startup,
         "kv_blocks_total": engine.num_blocks,
         "kv_block_size": config.block_size,
-        "peak_kv_blocks": engine.stats.peak_blocks_used,
-        "kv_waste_at_peak": engine.stats.peak_waste,
-        "prefix_cache_queried_tokens": cache.queries if cache is not None else None,
-        "prefix_cache_hit_tokens": cache.hits if cache is not None else None,
-        "prefix_cache_hit_rate": cache.hits / cache.queries if cache is not None and cache.queries else None,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "num_steps": engine.stats.steps,
+        "peak_kv_blocks": stats.peak_kv_blocks,
+        "kv_waste_at_peak": stats.kv_waste_at_peak,
+        "prefix_cache_queried_tokens": stats.prefix_cache_queries if stats.prefix_caching else None,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hits if stats.prefix_caching else None,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate if stats.prefix_cache_queries else None,
+        "num_preemptions": stats.num_preemptions,
+        "num_steps": stats.steps,
         "first_output_token_ids": list(outputs[0].outputs[0].token_ids[:16]) if outputs else [],
         "engine": {"model": engine.source.name, "backend": config.backend, "dtype": engine.model_info.dtype,
                    "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,

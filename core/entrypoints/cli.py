@@ -94,11 +94,19 @@ def _add_bench(sub) -> None:
 
 def _add_backends(sub) -> None:
     p = sub.add_parser("backends", help="list backends and whether they can run here")
+    p.add_argument("--help-settings", action="store_true",
+                   help="print every engine setting, the backends' own included, as a Markdown table")
     p.set_defaults(func=_run_backends)
 
 
 def _run_backends(args: argparse.Namespace) -> int:
     from pagedllm.plugins.manager import list_backends
+
+    if args.help_settings:
+        from pagedllm.config import settings_table
+
+        print("\n".join(settings_table()))
+        return 0
 
     infos = list_backends()
     if not infos:

@@ -39,7 +39,7 @@ def test_chunked_prefill_budget_16(tiny_model_dirs, references, arch):
     llm = make_llm(tiny_model_dirs[arch], enable_chunked_prefill=True, max_num_batched_tokens=16,
                    max_num_seqs=16)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.stats.batched_tokens > 0
+    assert llm.engine.stats().batched_tokens > 0
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -106,7 +106,7 @@ def test_vllm_env_vars(tiny_llama, monkeypatch, int8_tokens):
     monkeypatch.setenv("VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS", "ON")
     llm = LLM(str(tiny_llama), backend="openvino", dtype="float32", max_model_len=256)
     backend = llm.engine.backend
-    assert backend.kv_cache.element_type == "u8" and llm.engine.config.quantize_weights == "int8"
+    assert backend.kv_cache.element_type == "u8" and llm.engine.config.backend_options["quantize_weights"] == "int8"
     assert llm.engine.num_blocks == int(0.02 * 2**30) // backend.kv_cache_bytes_per_block()
     # u8 blocks read from the compiled model: keys [2 heads, 32 + 8 rows, 16], values [2, 32, 16 + 8], 2 layers.
     assert backend.kv_cache_bytes_per_block() == 2 * (2 * 40 * 16 + 2 * 32 * 24)

@@ -31,8 +31,7 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp_nonpositive on eight lanes, the same steps and so the same bits: the scalar loop did not vectorize and took
-// a quarter of the kernel's time (perf); this made the kernel ~12% faster over 30 layers at batch 64.
+// exp_nonpositive on eight lanes, the same steps and so the same bits: the scalar loop does not vectorize.
 inline __m256 exp_nonpositive8(__m256 x) {
   const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.44269504088896341f));
   const __m256 whole = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
