@@ -21,8 +21,7 @@ from pagedllm.backends.cpu.threads import ThreadBinder
 from pagedllm.backends.cpu_binding import THREADS_BIND, plan_threads
 
 logger = logging.getLogger("pagedllm.cpu")
-# Each attention thread widens one block's rows to float32 at a time (block_size x head_size): large blocks would
-# spill that out of L2.
+# The attention kernels hold a block's softmax weights on the stack (csrc/paged_attention.cpp, block_accumulate).
 MAX_BLOCK_SIZE = 1024
 
 

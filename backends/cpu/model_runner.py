@@ -49,7 +49,7 @@ class ModelRunner:
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
         packed = use_packed_linears(self.model)
-        logger.info("linear layers: %s", f"{packed} float32 ones packed for oneDNN" if packed else "nn.Linear")
+        logger.info("linear layers: %s", f"{packed} packed for oneDNN" if packed else "nn.Linear")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the model: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE", *fused)

@@ -36,7 +36,19 @@ def test_a_tied_head_keeps_the_embedding_weight():
     assert not model["embed"].weight.is_mkldnn
 
 
-def test_bf16_layers_keep_nn_linear():
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="bf16 packing needs AVX-512 (avx512f/bw/vl/dq)")
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_bf16_layers_are_packed_where_the_cpu_has_avx512(rows):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 40).to(torch.bfloat16))
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    expected = model(x)
+    assert use_packed_linears(model) == 1 and isinstance(model[0], PackedLinear)
+    torch.testing.assert_close(model(x), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(can_pack(torch.bfloat16), reason="this CPU packs bf16 weights")
+def test_bf16_layers_keep_nn_linear_without_avx512():
     model = torch.nn.Sequential(torch.nn.Linear(8, 4).to(torch.bfloat16))
     assert use_packed_linears(model) == 0
     assert type(model[0]) is torch.nn.Linear

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "vec.h"
 
 namespace {
 
@@ -30,51 +31,10 @@ using pagedllm::exp_nonpositive;
 using pagedllm::exp_nonpositive8;
 #endif
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &widened, sizeof(out));
-  return out;
-}
-
-// A block's rows [0, rows) as float32 [rows, dim]: float caches are read in place; bf16 is widened and u8
-// dequantized (x = q * scale + minimum, per row) into `scratch`.
-template <typename T>
-inline const float* block_as_float(const T* block, const float* scale, const float* minimum, int64_t rows,
-                                   int64_t dim, float* scratch);
-
-template <>
-inline const float* block_as_float<float>(const float* block, const float*, const float*, int64_t, int64_t,
-                                          float*) {
-  return block;
-}
-
-template <>
-inline const float* block_as_float<at::BFloat16>(const at::BFloat16* block, const float*, const float*,
-                                                 int64_t rows, int64_t dim, float* scratch) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(block);
-#pragma omp simd
-  for (int64_t i = 0; i < rows * dim; ++i) scratch[i] = bf16_to_float(bits[i]);
-  return scratch;
-}
-
-template <>
-inline const float* block_as_float<uint8_t>(const uint8_t* block, const float* scale, const float* minimum,
-                                            int64_t rows, int64_t dim, float* scratch) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float s = scale[r], m = minimum[r];
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) scratch[r * dim + d] = static_cast<float>(block[r * dim + d]) * s + m;
-  }
-  return scratch;
-}
-
-inline float dot(const float* a, const float* b, int64_t dim) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < dim; ++d) sum += a[d] * b[d];
-  return sum;
-}
+// A cache element as float32; u8 rows are dequantized by the caller (x = q * scale + minimum per row).
+inline float as_float(float x) { return x; }
+inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float as_float(uint8_t x) { return static_cast<float>(x); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Eight sums of eight lanes each, as one vector: [sum(a0), ..., sum(a7)].
@@ -85,6 +45,23 @@ inline __m256 sum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m2
 }
 #endif
 
+#if defined(PAGEDLLM_VEC)
+using pagedllm::Vec;
+
+// The lanes of eight vectors summed, in order: out[i] = sum(acc[i]).
+inline void sum8(const Vec* acc, float* out) {
+#if defined(__AVX512F__)
+  __m256 half[8];
+  for (int i = 0; i < 8; ++i)
+    half[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i].v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i].v), 1)));
+  _mm256_storeu_ps(out, sum8x8(half[0], half[1], half[2], half[3], half[4], half[5], half[6], half[7]));
+#else
+  _mm256_storeu_ps(out, sum8x8(acc[0].v, acc[1].v, acc[2].v, acc[3].v, acc[4].v, acc[5].v, acc[6].v, acc[7].v));
+#endif
+}
+#endif
+
 // Ask for a block's bytes ahead of use: blocks sit at scattered addresses, which the hardware prefetcher
 // cannot guess, so without this every block starts with a run of cache misses.
 inline void prefetch_block(const void* start, int64_t bytes) {
@@ -92,81 +69,149 @@ inline void prefetch_block(const void* start, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// scores[g * stride + r] = q_g . keys_r for the group's query heads against `rows` keys.
-inline void block_scores(const float* q, int64_t groups, const float* keys, int64_t rows, int64_t dim,
-                         float* scores, int64_t stride) {
+// scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
+// (bf16 and u8 widened in registers). u8 keys are q8 * scale + minimum per row, so q . key = scale * (q . q8) +
+// minimum * sum(q): `q_sums` holds sum(q_g).
+template <typename cache_t>
+inline void block_scores(const float* q, const float* q_sums, int64_t groups, const cache_t* keys, const float* scale,
+                         const float* minimum, int64_t rows, int64_t dim, float* scores, int64_t stride) {
+  constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
   int64_t r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (dim % 8 == 0) {
+#if defined(PAGEDLLM_VEC)
+  if (dim % Vec::size == 0) {
     for (; r + 8 <= rows; r += 8) {
-      const float* k = keys + r * dim;
+      const cache_t* k = keys + r * dim;
       for (int64_t g = 0; g < groups; ++g) {
         const float* qg = q + g * dim;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (int64_t d = 0; d < dim; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + d);
-          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 0 * dim + d), a0);
-          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 1 * dim + d), a1);
-          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * dim + d), a2);
-          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * dim + d), a3);
-          a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * dim + d), a4);
-          a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * dim + d), a5);
-          a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * dim + d), a6);
-          a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * dim + d), a7);
+        Vec acc[8] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero(),
+                      Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+        for (int64_t d = 0; d < dim; d += Vec::size) {
+          const Vec qv = Vec::load(qg + d);
+          for (int i = 0; i < 8; ++i) acc[i] = Vec::fma(qv, Vec::load(k + i * dim + d), acc[i]);
         }
-        _mm256_storeu_ps(scores + g * stride + r, sum8x8(a0, a1, a2, a3, a4, a5, a6, a7));
+        float* s = scores + g * stride + r;
+        sum8(acc, s);
+        if constexpr (quantized)
+          for (int i = 0; i < 8; ++i) s[i] = s[i] * scale[r + i] + minimum[r + i] * q_sums[g];
       }
     }
   }
 #endif
   for (; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) scores[g * stride + r] = dot(q + g * dim, keys + r * dim, dim);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* qg = q + g * dim;
+      const cache_t* k = keys + r * dim;
+      float sum = 0.f;
+      for (int64_t d = 0; d < dim; ++d) sum += qg[d] * as_float(k[d]);
+      scores[g * stride + r] = quantized ? sum * scale[r] + minimum[r] * q_sums[g] : sum;
+    }
 }
 
-// acc[g] += sum_r probs[g * stride + r] * values_r for the group's query heads.
-inline void block_accumulate(const float* probs, int64_t stride, int64_t groups, const float* values,
-                             int64_t rows, int64_t dim, float* acc) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (dim % 64 == 0) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAGEDLLM_DPBF16 1
+// scores[g * stride + r] = scale * (q_g . key_r) for bf16 queries against a bf16 block, with AVX512_BF16's pairwise
+// dot products (exact products, float32 sums): no widening at all. dim % 32 == 0.
+inline void block_scores_bf16(const at::BFloat16* q, int64_t groups, const at::BFloat16* keys, int64_t rows,
+                              int64_t dim, float scale, float* scores, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    const at::BFloat16* k = keys + r * dim;
     for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t d = 0; d < dim; d += 64) {
-        float* a = acc + g * dim + d;
-        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
-               a3 = _mm256_loadu_ps(a + 24), a4 = _mm256_loadu_ps(a + 32), a5 = _mm256_loadu_ps(a + 40),
-               a6 = _mm256_loadu_ps(a + 48), a7 = _mm256_loadu_ps(a + 56);
+      Vec acc[8] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero(),
+                    Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+      for (int64_t d = 0; d < dim; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * dim + d);
+        for (int i = 0; i < 8; ++i)
+          acc[i].v = _mm512_dpbf16_ps(acc[i].v, qv, (__m512bh)_mm512_loadu_si512(k + i * dim + d));
+      }
+      float* s = scores + g * stride + r;
+      sum8(acc, s);
+      for (int i = 0; i < 8; ++i) s[i] *= scale;
+    }
+  }
+  for (; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + g * dim + d),
+                               (__m512bh)_mm512_loadu_si512(keys + r * dim + d));
+      scores[g * stride + r] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+#else
+#define PAGEDLLM_DPBF16 0
+#endif
+
+// A tile's query rows, ready for the score pass: float32 scaled by the softmax scale; and for bf16 queries against a
+// bf16 cache where the CPU has AVX512_BF16, the bf16 rows themselves, which the pairwise dot products take.
+template <typename scalar_t, typename cache_t>
+struct QueryRows {
+  static constexpr bool kBf16 = std::is_same<scalar_t, at::BFloat16>::value &&
+                                std::is_same<cache_t, at::BFloat16>::value && PAGEDLLM_DPBF16;
+  const int64_t dim;
+  const float scale;
+  const bool pairwise;
+  std::vector<float> scaled, sums;
+  std::vector<at::BFloat16> raw;
+
+  QueryRows(int64_t max_rows, int64_t dim, double scale)
+      : dim(dim), scale(static_cast<float>(scale)), pairwise(kBf16 && dim % 32 == 0), sums(max_rows) {
+    if (pairwise)
+      raw.resize(max_rows * dim);
+    else
+      scaled.resize(max_rows * dim);
+  }
+
+  void set(int64_t row, const scalar_t* src) {
+    if (pairwise) {
+      std::copy(src, src + dim, reinterpret_cast<scalar_t*>(raw.data()) + row * dim);
+    } else {
+      for (int64_t d = 0; d < dim; ++d) scaled[row * dim + d] = static_cast<float>(src[d]) * scale;
+    }
+  }
+};
+
+// acc[g] += sum_r probs[g * stride + r] * values_r for the group's query heads over a block's `rows` values, read in
+// place. u8 values: sum_r p_r * (q8_r * scale_r + minimum_r) = sum_r (p_r * scale_r) * q8_r + sum_r p_r * minimum_r.
+template <typename cache_t>
+inline void block_accumulate(const float* probs, int64_t stride, int64_t groups, const cache_t* values,
+                             const float* scale, const float* minimum, int64_t rows, int64_t dim, float* acc) {
+  constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
+  constexpr int64_t kGroupTile = 4;
+  float weight[kGroupTile * 1024];  // probs (times the u8 scale) of up to kGroupTile heads; blocks are <= 1024 rows
+  for (int64_t g0 = 0; g0 < groups; g0 += kGroupTile) {
+    const int64_t heads = std::min(kGroupTile, groups - g0);
+    for (int64_t j = 0; j < heads; ++j) {
+      const float* p = probs + (g0 + j) * stride;
+      float offset = 0.f;
+      for (int64_t r = 0; r < rows; ++r) {
+        weight[j * rows + r] = quantized ? p[r] * scale[r] : p[r];
+        if constexpr (quantized) offset += p[r] * minimum[r];
+      }
+      if constexpr (quantized)
+        for (int64_t d = 0; d < dim; ++d) acc[(g0 + j) * dim + d] += offset;
+    }
+    int64_t d = 0;
+#if defined(PAGEDLLM_VEC)
+    if (dim % Vec::size == 0) {
+      for (; d < dim; d += Vec::size) {
+        Vec a[kGroupTile];
+        for (int64_t j = 0; j < heads; ++j) a[j] = Vec::load(acc + (g0 + j) * dim + d);
         for (int64_t r = 0; r < rows; ++r) {
-          const __m256 p = _mm256_set1_ps(probs[g * stride + r]);
-          const float* v = values + r * dim + d;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-          a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 32), a4);
-          a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 40), a5);
-          a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 48), a6);
-          a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 56), a7);
+          const Vec v = Vec::load(values + r * dim + d);
+          for (int64_t j = 0; j < heads; ++j) a[j] = Vec::fma(Vec::broadcast(weight[j * rows + r]), v, a[j]);
         }
-        _mm256_storeu_ps(a, a0);
-        _mm256_storeu_ps(a + 8, a1);
-        _mm256_storeu_ps(a + 16, a2);
-        _mm256_storeu_ps(a + 24, a3);
-        _mm256_storeu_ps(a + 32, a4);
-        _mm256_storeu_ps(a + 40, a5);
-        _mm256_storeu_ps(a + 48, a6);
-        _mm256_storeu_ps(a + 56, a7);
+        for (int64_t j = 0; j < heads; ++j) a[j].store(acc + (g0 + j) * dim + d);
       }
     }
-    return;
-  }
 #endif
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = probs[g * stride + r];
-      float* a = acc + g * dim;
-      const float* v = values + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-    }
+    for (; d < dim; ++d)
+      for (int64_t j = 0; j < heads; ++j) {
+        float sum = acc[(g0 + j) * dim + d];
+        for (int64_t r = 0; r < rows; ++r) sum += weight[j * rows + r] * as_float(values[r * dim + d]);
+        acc[(g0 + j) * dim + d] = sum;
+      }
+  }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -236,38 +281,60 @@ struct PagedCache {
         table_width(block_table.size(1)), kv_heads(key_cache.size(1)), block_size(key_cache.size(2)),
         dim(key_cache.size(3)) {}
 
-  // scores[r * span + (t - origin)] = q_r . key_t for the `rows` query rows against the sequence's keys t in
-  // [origin, len), origin = first_block * block_size.
-  void score(int64_t seq, int64_t head, const float* q, int64_t rows, int64_t first_block, int64_t len,
-             float* scores, int64_t span, float* scratch) const {
-    pass(seq, head, keys, key_scale, key_min, first_block, len, scratch, [&](const float* k, int64_t b, int64_t n) {
-      block_scores(q, rows, k, n, dim, scores + (b - first_block) * block_size, span);
+  // scores[r * span + (t - origin)] = scale * q_r . key_t for the `rows` query rows against the sequence's keys t
+  // in [origin, len), origin = first_block * block_size.
+  template <typename scalar_t>
+  void score(int64_t seq, int64_t head, QueryRows<scalar_t, cache_t>& q, int64_t rows, int64_t first_block,
+             int64_t len, float* scores, int64_t span) const {
+#if PAGEDLLM_DPBF16
+    if constexpr (QueryRows<scalar_t, cache_t>::kBf16) {
+      if (q.pairwise) {
+        pass(seq, head, keys, first_block, len, [&](const cache_t* k, int64_t, int64_t b, int64_t n) {
+          block_scores_bf16(q.raw.data(), rows, k, n, dim, q.scale, scores + (b - first_block) * block_size, span);
+        });
+        return;
+      }
+    }
+#endif
+    const float* scaled = q.scaled.data();
+    if constexpr (quantized)
+      for (int64_t r = 0; r < rows; ++r) {
+        float sum = 0.f;
+        for (int64_t d = 0; d < dim; ++d) sum += scaled[r * dim + d];
+        q.sums[r] = sum;
+      }
+    pass(seq, head, keys, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
+      block_scores(scaled, q.sums.data(), rows, k, quantized ? key_scale + slot : nullptr,
+                   quantized ? key_min + slot : nullptr, n, dim, scores + (b - first_block) * block_size, span);
     });
   }
 
   // acc[r] += sum_t probs[r * span + (t - origin)] * value_t over the same keys.
   void accumulate(int64_t seq, int64_t head, const float* probs, int64_t rows, int64_t first_block, int64_t len,
-                  int64_t span, float* acc, float* scratch) const {
-    pass(seq, head, values, value_scale, value_min, first_block, len, scratch,
-         [&](const float* v, int64_t b, int64_t n) {
-           block_accumulate(probs + (b - first_block) * block_size, span, rows, v, n, dim, acc);
-         });
+                  int64_t span, float* acc) const {
+    pass(seq, head, values, first_block, len, [&](const cache_t* v, int64_t slot, int64_t b, int64_t n) {
+      block_accumulate(probs + (b - first_block) * block_size, span, rows, v,
+                       quantized ? value_scale + slot : nullptr, quantized ? value_min + slot : nullptr, n, dim, acc);
+    });
   }
 
  private:
+  // Blocks are prefetched this many ahead: one block of a few KiB does not cover a memory round trip.
+  static constexpr int64_t kPrefetchDistance = 2;
+
   template <typename F>
-  void pass(int64_t seq, int64_t head, const cache_t* cache, const float* scale, const float* minimum,
-            int64_t first_block, int64_t len, float* scratch, F&& use) const {
+  void pass(int64_t seq, int64_t head, const cache_t* cache, int64_t first_block, int64_t len, F&& use) const {
     const int64_t* blocks = table + seq * table_width;
     const int64_t end_block = (len + block_size - 1) / block_size;
     const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
+    for (int64_t b = first_block; b < std::min(end_block, first_block + kPrefetchDistance); ++b)
+      prefetch_block(cache + (blocks[b] * kv_heads + head) * block_size * dim, block_bytes);
     for (int64_t b = first_block; b < end_block; ++b) {
       const int64_t slot = (blocks[b] * kv_heads + head) * block_size;  // the block's first slot
       const int64_t rows = std::min(len, (b + 1) * block_size) - b * block_size;
-      if (b + 1 < end_block) prefetch_block(cache + (blocks[b + 1] * kv_heads + head) * block_size * dim, block_bytes);
-      use(block_as_float<cache_t>(cache + slot * dim, quantized ? scale + slot : nullptr,
-                                  quantized ? minimum + slot : nullptr, rows, dim, scratch),
-          b, rows);
+      if (b + kPrefetchDistance < end_block)
+        prefetch_block(cache + (blocks[b + kPrefetchDistance] * kv_heads + head) * block_size * dim, block_bytes);
+      use(cache + slot * dim, slot, b, rows);
     }
   }
 };
@@ -315,23 +382,20 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     shared_sum.resize(num_seqs * num_heads);
     const int64_t tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
     at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(kSeqTile * groups * dim), scratch(block_size * dim), acc(kSeqTile * groups * dim);
-      std::vector<float> scores(kSeqTile * groups * shared_len);
+      QueryRows<scalar_t, cache_t> q(kSeqTile * groups, dim, scale);
+      std::vector<float> acc(kSeqTile * groups * dim), scores(kSeqTile * groups * shared_len);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t first_seq = (item / kv_heads) * kSeqTile, head = item % kv_heads;
         const int64_t rows = std::min(kSeqTile, num_seqs - first_seq) * groups;  // row j * groups + g
-        for (int64_t r = 0; r < rows; ++r) {
-          const scalar_t* src =
-              q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride;
-          for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
-        }
-        cache.score(first_seq, head, q.data(), rows, 0, shared_len, scores.data(), shared_len, scratch.data());
+        for (int64_t r = 0; r < rows; ++r)
+          q.set(r, q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride);
+        cache.score(first_seq, head, q, rows, 0, shared_len, scores.data(), shared_len);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
           shared_sum[at] = 1.f / softmax_numerators(scores.data() + r * shared_len, shared_len, &shared_max[at]);
         }
         std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
-        cache.accumulate(first_seq, head, scores.data(), rows, 0, shared_len, shared_len, acc.data(), scratch.data());
+        cache.accumulate(first_seq, head, scores.data(), rows, 0, shared_len, shared_len, acc.data());
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
           std::copy(acc.begin() + r * dim, acc.begin() + (r + 1) * dim, shared_acc.begin() + at * dim);
@@ -341,7 +405,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
   }
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), scratch(block_size * dim), acc(groups * dim), scores, inv_sum(groups);
+    QueryRows<scalar_t, cache_t> q(groups, dim, scale);
+    std::vector<float> acc(groups * dim), scores, inv_sum(groups);
     std::vector<float> peak(groups);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / kv_heads, head = item % kv_heads;
@@ -353,16 +418,13 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         store_row(k_out + row * dim, nk_ptr + seq * nk_seq_stride + head * nk_head_stride, dim);
         store_row(v_out + row * dim, nv_ptr + seq * nv_seq_stride + head * nv_head_stride, dim);
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        const scalar_t* src = q_ptr + seq * q_seq_stride + (head * groups + g) * q_head_stride;
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
-      }
+      for (int64_t g = 0; g < groups; ++g) q.set(g, q_ptr + seq * q_seq_stride + (head * groups + g) * q_head_stride);
       // Scores are laid out per block-aligned position from the first block, so blocks never straddle rows.
       const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
       const int64_t origin = first_block * block_size, span = end_block * block_size - origin;
       scores.resize(groups * span);
       // Pass 1: scores of every query head of the group against every cached key, block by block.
-      cache.score(seq, head, q.data(), groups, first_block, len, scores.data(), span, scratch.data());
+      cache.score(seq, head, q, groups, first_block, len, scores.data(), span);
       for (int64_t g = 0; g < groups; ++g) {
         float* s = scores.data() + g * span;
         const int64_t lo = first - origin, hi = len - origin;  // the keys this query may see
@@ -372,7 +434,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       }
       // Pass 2: the probability-weighted sum of the values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), scratch.data());
+      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data());
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = seq * num_heads + head * groups + g;
         scalar_t* dst = out_ptr + at * dim;
@@ -425,7 +487,8 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
   const int64_t per_thread = (num_items + threads - 1) / threads;
 
   at::parallel_for(0, threads * per_thread, per_thread, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(kTile * groups * dim), scratch(block_size * dim), acc(kTile * groups * dim), scores;
+    QueryRows<scalar_t, cache_t> q(kTile * groups, dim, scale);
+    std::vector<float> acc(kTile * groups * dim), scores;
     std::vector<float> inv_sum(kTile * groups);
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = (k % per_thread) * threads + k / per_thread;
@@ -438,15 +501,13 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
       const int64_t end_len = first_pos + tokens;           // keys [0, end_len) may be seen by some row
       const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       for (int64_t j = 0; j < tokens; ++j)
-        for (int64_t g = 0; g < groups; ++g) {
-          const scalar_t* src = q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
-          float* dst = q.data() + (j * groups + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
-        }
+        for (int64_t g = 0; g < groups; ++g)
+          q.set(j * groups + g,
+                q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride);
       const int64_t first_block = first / block_size, end_block = (end_len + block_size - 1) / block_size;
       const int64_t origin = first_block * block_size, span = end_block * block_size - origin;
       scores.resize(rows * span);
-      cache.score(chunk, head, q.data(), rows, first_block, end_len, scores.data(), span, scratch.data());
+      cache.score(chunk, head, q, rows, first_block, end_len, scores.data(), span);
       for (int64_t j = 0; j < tokens; ++j) {
         const int64_t pos = first_pos + j;
         const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - origin, hi = pos + 1 - origin;
@@ -458,7 +519,7 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
-      cache.accumulate(chunk, head, scores.data(), rows, first_block, end_len, span, acc.data(), scratch.data());
+      cache.accumulate(chunk, head, scores.data(), rows, first_block, end_len, span, acc.data());
       for (int64_t j = 0; j < tokens; ++j)
         for (int64_t g = 0; g < groups; ++g) {
           scalar_t* dst = out_ptr + ((starts[chunk] + tile_start + j) * num_heads + head * groups + g) * dim;

@@ -1,0 +1,77 @@
+// One float vector type per ISA level, so a kernel is written once for AVX-512 (16 lanes) and AVX2 (8 lanes):
+// loads widen float, bfloat16 and uint8 elements to float32 in registers, and stores round back.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDLLM_VEC 1
+struct Vec {
+  static constexpr int64_t size = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {  // bf16 is the top half of a float32: widen by shifting
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
+  }
+  static Vec load(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(at::BFloat16* p) const {  // round to nearest even, as torch's conversion does (NaN aside)
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
+  Vec operator*(Vec o) const { return {_mm512_mul_ps(v, o.v)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_VEC 1
+struct Vec {
+  static constexpr int64_t size = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16))};
+  }
+  static Vec load(const uint8_t* p) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(at::BFloat16* p) const {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
+  Vec operator*(Vec o) const { return {_mm256_mul_ps(v, o.v)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+};
+#endif
+
+}  // namespace pagedllm
