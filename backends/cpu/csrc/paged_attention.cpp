@@ -9,6 +9,7 @@
 // and minimum per token and head (x = q * scale + minimum).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -531,6 +532,137 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
   });
 }
 
+#if PAGEDLLM_DPBF16
+// bf16 prompt chunks over a bf16 cache as tile GEMMs through torch's brgemm (oneDNN micro-kernels: AMX tiles where
+// the CPU has them, AVX512_BF16 dot products otherwise). Each (chunk, KV head) gets its keys and values packed once
+// into brgemm's pair-interleaved layout; each tile of kTile query tokens times the group's heads is then two GEMM
+// passes over kKeyTile-key slices: scores = Q K^T in float32, softmax in float32, probabilities rounded to bf16,
+// out = P V accumulated in float32. No sliding window (the per-row path takes those).
+constexpr int64_t kKeyTile = 64;
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// probs[0, span) = bf16(exp(scale * (s[t] - max))) for the `visible` scores, then zeros; returns 1 / sum of the
+// float32 numerators. Sixteen lanes at a time (s has room for span floats, span a multiple of Vec::size).
+inline float scaled_softmax_bf16(float* s, int64_t visible, int64_t span, float scale, at::BFloat16* probs) {
+  const int64_t full = visible / Vec::size * Vec::size;
+  Vec top = Vec::broadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < full; t += Vec::size) top = Vec::max(top, Vec::load(s + t));
+  float peak = top.max();
+  for (int64_t t = full; t < visible; ++t) peak = std::max(peak, s[t]);
+  for (int64_t t = visible; t < round_up(visible, Vec::size); ++t) s[t] = -std::numeric_limits<float>::infinity();
+  const Vec shift = Vec::broadcast(peak), vscale = Vec::broadcast(scale);
+  Vec total = Vec::zero();
+  for (int64_t t = 0; t < visible; t += Vec::size) {  // the lanes past `visible` give exp(-inf) = 0
+    const Vec e = Vec::exp_nonpositive((Vec::load(s + t) - shift) * vscale);
+    total = total + e;
+    e.store(probs + t);
+  }
+  std::fill(probs + round_up(visible, Vec::size), probs + span, at::BFloat16(0.f));
+  return 1.f / total.sum();
+}
+
+void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& past_lens,
+                         const at::Tensor& q_starts, const at::Tensor& q_lens, double scale) {
+  using bf16 = at::BFloat16;
+  const int64_t num_chunks = q_starts.size(0), num_heads = query.size(1), kv_heads = key_cache.size(1);
+  const int64_t block_size = key_cache.size(2), dim = key_cache.size(3), groups = num_heads / kv_heads;
+  const int64_t width = block_table.size(1);
+  const bf16* keys = key_cache.data_ptr<bf16>();
+  const bf16* values = value_cache.data_ptr<bf16>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* past = past_lens.data_ptr<int64_t>();
+  const int64_t* starts = q_starts.data_ptr<int64_t>();
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  const bf16* q_ptr = query.data_ptr<bf16>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+  const int64_t q_tok_stride = query.stride(0), q_head_stride = query.stride(1);
+
+  // Packed keys [dim / 2][padded][2] (B of Q K^T) and values [padded / 2][dim][2] (B of P V) per (chunk, head).
+  std::vector<int64_t> padded(num_chunks), offset(num_chunks * kv_heads + 1, 0);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    padded[c] = round_up(past[c] + lens[c], kKeyTile);
+    for (int64_t h = 0; h < kv_heads; ++h) offset[c * kv_heads + h + 1] = offset[c * kv_heads + h] + padded[c] * dim;
+  }
+  std::vector<bf16> packed_k(offset.back()), packed_v(offset.back());
+  const std::vector<uint16_t> zeros(dim, 0);
+  at::parallel_for(0, num_chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const uint16_t*> krow, vrow;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item / kv_heads, h = item % kv_heads, n = past[c] + lens[c], np = padded[c];
+      krow.resize(np);
+      vrow.resize(np);
+      for (int64_t t = 0; t < np; ++t) {  // padding rows read zeros: their probabilities are zero too
+        const int64_t row = (table[c * width + t / block_size] * kv_heads + h) * block_size + t % block_size;
+        krow[t] = t < n ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
+        vrow[t] = t < n ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
+      }
+      uint32_t* pk = reinterpret_cast<uint32_t*>(packed_k.data() + offset[item]);  // [dim / 2][np] pairs
+      for (int64_t p = 0; p < dim / 2; ++p)
+        for (int64_t t = 0; t < np; ++t) pk[p * np + t] = reinterpret_cast<const uint32_t*>(krow[t])[p];
+      uint16_t* pv = reinterpret_cast<uint16_t*>(packed_v.data() + offset[item]);  // [np / 2][dim][2]
+      for (int64_t t = 0; t < np; t += 2)
+        for (int64_t d = 0; d < dim; ++d) {
+          pv[((t / 2) * dim + d) * 2] = vrow[t][d];
+          pv[((t / 2) * dim + d) * 2 + 1] = vrow[t + 1][d];
+        }
+    }
+  });
+
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (chunk, first token of the tile)
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t t = 0; t < lens[c]; t += kTile) tiles.emplace_back(c, t);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const int64_t per_thread = (num_items + threads - 1) / threads;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, threads * per_thread, per_thread, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> q(kTile * groups * dim), probs;
+    std::vector<float> scores, acc(kTile * groups * dim), inv_sum(kTile * groups);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = (k % per_thread) * threads + k / per_thread;  // every n-th: later tiles cost more
+      if (item >= num_items) continue;
+      const auto [chunk, tile_start] = tiles[item / kv_heads];
+      const int64_t head = item % kv_heads, tokens = std::min(kTile, lens[chunk] - tile_start);
+      const int64_t rows = tokens * groups;  // row j * groups + g
+      const int64_t first_pos = past[chunk] + tile_start, span = round_up(first_pos + tokens, kKeyTile);
+      const int64_t np = padded[chunk];
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          const bf16* src = q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
+          std::copy(src, src + dim, q.data() + (j * groups + g) * dim);
+        }
+      const bf16* pk = packed_k.data() + offset[chunk * kv_heads + head];
+      const bf16* pv = packed_v.data() + offset[chunk * kv_heads + head];
+      scores.resize(rows * span);
+      for (int64_t n0 = 0; n0 < span; n0 += kKeyTile)
+        at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, np, span, false, q.data(), pk + n0 * 2,
+                                    scores.data() + n0, true);
+      probs.resize(rows * span);
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = j * groups + g;
+          inv_sum[r] = scaled_softmax_bf16(scores.data() + r * span, first_pos + j + 1, span, fscale,
+                                           probs.data() + r * span);
+        }
+      for (int64_t k0 = 0; k0 < span; k0 += kKeyTile)
+        at::native::cpublas::brgemm(rows, dim, kKeyTile, span, dim, dim, k0 > 0, probs.data() + k0,
+                                    pv + k0 * dim, acc.data(), true);
+      for (int64_t j = 0; j < tokens; ++j)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r = j * groups + g;
+          bf16* dst = out_ptr + ((starts[chunk] + tile_start + j) * num_heads + head * groups + g) * dim;
+          const Vec inv = Vec::broadcast(inv_sum[r]);
+          for (int64_t d = 0; d < dim; d += Vec::size) (Vec::load(acc.data() + r * dim + d) * inv).store(dst + d);
+        }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+#endif
+
 template <typename scalar_t>
 void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const c10::optional<at::Tensor>& key_scale,
@@ -627,6 +759,12 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
   const bool is_float = query.scalar_type() == at::kFloat;
   TORCH_CHECK(is_float || query.scalar_type() == at::kBFloat16, "paged prefill attention: unsupported query dtype ",
               query.scalar_type());
+#if PAGEDLLM_DPBF16
+  if (!is_float && key_cache.scalar_type() == at::kBFloat16 && window <= 0 && key_cache.size(3) % 2 == 0) {
+    prefill_bf16_brgemm(out, query, key_cache, value_cache, block_table, past_lens, q_starts, q_lens, scale);
+    return;
+  }
+#endif
   switch (key_cache.scalar_type()) {
 #define PAGEDLLM_PREFILL(cache_t)                                                                                  \
   if (is_float)                                                                                                    \

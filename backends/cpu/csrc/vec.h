@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+
+#include "fast_exp.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -35,9 +37,27 @@ struct Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
   }
   float sum() const { return _mm512_reduce_add_ps(v); }
+  float max() const { return _mm512_reduce_max_ps(v); }
   Vec operator+(Vec o) const { return {_mm512_add_ps(v, o.v)}; }
+  Vec operator-(Vec o) const { return {_mm512_sub_ps(v, o.v)}; }
   Vec operator*(Vec o) const { return {_mm512_mul_ps(v, o.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  // exp(x) for x <= 0: exp_nonpositive's steps on sixteen lanes.
+  static Vec exp_nonpositive(Vec x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return {_mm512_mul_ps(p, _mm512_castsi512_ps(bits))};
+  }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_VEC 1
@@ -68,9 +88,17 @@ struct Vec {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
+  float max() const {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
   Vec operator+(Vec o) const { return {_mm256_add_ps(v, o.v)}; }
+  Vec operator-(Vec o) const { return {_mm256_sub_ps(v, o.v)}; }
   Vec operator*(Vec o) const { return {_mm256_mul_ps(v, o.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec exp_nonpositive(Vec x) { return {exp_nonpositive8(x.v)}; }
 };
 #endif
 
