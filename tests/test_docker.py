@@ -185,3 +185,14 @@ def test_hadolint_finds_nothing_above_a_warning(kind):
     proc = subprocess.run([hadolint, "--no-color", "--failure-threshold", "error", str(DOCKERFILES[kind])],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_readme_shows_how_to_build_and_run_it(kind, steps):
+    readme = (ROOT / "README.md").read_text()
+    build = f"docker build -f Dockerfile.{kind} -t pagedllm-{kind} ."
+    assert build in readme
+    run = readme[readme.index(build):].split("\n\n")[0].split("docker run", 1)[1]
+    for flag in ("--cpuset-cpus", "--shm-size", "-p 8000:8000", ":/models:ro"):
+        assert flag in run, flag
+    assert "-e VLLM_CPU_KVCACHE_SPACE=" in run if kind == "cpu" else "-e VLLM_OPENVINO_KVCACHE_SPACE=" in run
+    assert f":{env_of(steps)['PAGEDLLM_CACHE_DIR']} " in run  # the cache volume is mounted where the image keeps it
