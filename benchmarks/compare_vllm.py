@@ -16,12 +16,15 @@ cannot be set up or run here, the harness says why and runs the others.
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
     python benchmarks/compare_vllm.py --engines pagedllm-openvino,openvino-genai   # the openvino backend's bar
     python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
+    python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
+    python benchmarks/compare_vllm.py --plot results.png --from-summary DIR/summary.json   # redraw, nothing run
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -321,7 +324,15 @@ def parse_args() -> argparse.Namespace:
                         help="where workloads, per-case JSON and logs go (default: a new folder under "
                              "~/.cache/pagedllm/bench)")
     parser.add_argument("--output-json", type=Path, default=None, help="summary JSON (default: WORK_DIR/summary.json)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="draw the summary as bar charts into PNG (needs matplotlib: pagedllm[plot])")
+    parser.add_argument("--from-summary", type=Path, default=None, metavar="JSON",
+                        help="with --plot: draw this summary.json of an earlier run instead of running anything")
     args = parser.parse_args()
+    if args.from_summary is not None and args.plot is None:
+        parser.error("--from-summary draws an earlier run's summary: add --plot PNG")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error('--plot needs matplotlib: pip install "pagedllm[plot]" (or pip install matplotlib)')
     args.vllm_venv = args.vllm_venv or vllm_cpu_env.default_venv_dir()
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -346,8 +357,18 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def plot(summary: dict, path: Path) -> None:
+    from plot_summary import plot_summary
+
+    plot_summary(summary, path, TITLES)
+    print(f"chart: {path}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.from_summary is not None:
+        plot(json.loads(args.from_summary.read_text()), args.plot)
+        return
     from pagedllm.bench.workload import random_workload
     from pagedllm.model_source import cache_dir, load_tokenizer, resolve_model
 
@@ -384,6 +405,8 @@ def main() -> None:
     out = args.output_json or work_dir / "summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"summary: {out}")
+    if args.plot is not None:
+        plot(summary, args.plot)
 
 
 if __name__ == "__main__":
