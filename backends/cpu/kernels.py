@@ -41,9 +41,11 @@ ISA_FLAGS["amx"] = ISA_FLAGS["avx512_bf16"]
 
 
 def build_key(level: str) -> str:
+    """Sources, their folder (ninja records absolute paths: two checkouts must not rebuild each other's folder),
+    torch's version and the level's flags."""
     source = b"".join(path.name.encode() + path.read_bytes() for path in _SOURCES + _HEADERS)
     flags = " ".join(ISA_FLAGS[level]).encode()
-    return hashlib.sha256(source + torch.__version__.encode() + flags).hexdigest()[:12]
+    return hashlib.sha256(source + str(_CSRC).encode() + torch.__version__.encode() + flags).hexdigest()[:12]
 
 
 @functools.lru_cache(maxsize=None)
