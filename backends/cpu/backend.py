@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.batch import Batch
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
 from pagedllm.model_source import ModelSource
 from pagedllm.backends import cpu_features
@@ -50,6 +50,12 @@ def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torc
     return "plain", model_dtype, str(model_dtype).removeprefix("torch.") + " (the model's)"
 
 
+RESIDUAL_DTYPE = Setting(
+    "residual_dtype", str, "model", "dtype of the residual stream between fused decoder layers under bf16 weights: "
+    "float32 (as llama.cpp; bf16 rounding touches only GEMM inputs) or model (as vLLM and transformers)",
+    ("float32", "model"))
+
+
 class CPUBackend(Backend):
     name = "cpu"
     # 8, not vLLM's 16: half a block per sequence is what a paged cache wastes, for little kernel time.
@@ -59,7 +65,7 @@ class CPUBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (THREADS_BIND,)
+    settings = (THREADS_BIND, RESIDUAL_DTYPE)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
@@ -82,8 +88,9 @@ class CPUBackend(Backend):
         logger.info("%s", keep_freed_memory())
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
+        residual = torch.float32 if self.config.backend_options["residual_dtype"] == "float32" else self.dtype
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
-                                  ThreadBinder(self.thread_plan, kernels), kernels)
+                                  ThreadBinder(self.thread_plan, kernels), kernels, residual)
         return self.runner.load()
 
     def check_block_size(self, block_size: int) -> None:

@@ -14,6 +14,7 @@ from pagedllm.backend import ModelInfo
 from pagedllm.batch import Batch
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
+from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.rotary import use_fused_rotary
@@ -29,9 +30,10 @@ class ModelRunner:
     thread of its own)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
-                 binder: ThreadBinder, kernels=None) -> None:
+                 binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
+        self.residual_dtype = residual_dtype or dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
         self.cache_dtype = cache_dtype
         self.binder = binder
@@ -48,11 +50,16 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
+        layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
+        if layers:
+            logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
+                        layers, str(self.residual_dtype).removeprefix("torch."))
         packed = use_packed_linears(self.model)
         logger.info("linear layers: %s", f"{packed} packed for oneDNN" if packed else "nn.Linear")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
-        logger.info("C++ kernels in the model: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE", *fused)
+        logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
+                    *fused)
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads

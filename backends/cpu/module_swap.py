@@ -16,12 +16,16 @@ def code_of(function) -> tuple:
     return (code.co_code, code.co_names, code.co_consts) if code is not None else ()
 
 
+# Set on the parts of a decoder layer whose forward runs them as one (fused_layers): their own forwards never run.
+INSIDE_FUSED_LAYER = "_pagedllm_inside_fused_layer"
+
+
 def swap_forwards(model: torch.nn.Module, qualifies: Callable[[torch.nn.Module], bool],
                   fused_forward: Callable[[torch.nn.Module], Callable]) -> int:
     """Set ``module.forward = fused_forward(module)`` on every module that qualifies; returns how many."""
     swapped = 0
     for module in model.modules():
-        if qualifies(module):
+        if not getattr(module, INSIDE_FUSED_LAYER, False) and qualifies(module):
             module.forward = fused_forward(module)
             swapped += 1
     return swapped

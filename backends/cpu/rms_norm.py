@@ -29,7 +29,8 @@ def _fused_forward(norm: torch.nn.Module, kernels):
     weight, eps, unfused = norm.weight, float(norm.variance_epsilon), norm.forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.dtype != weight.dtype or not hidden_states.is_contiguous():
+        # A float32 residual stream under bf16 weights (fused_layers) is normed into the weight's dtype.
+        if hidden_states.dtype not in (weight.dtype, torch.float32) or not hidden_states.is_contiguous():
             return unfused(hidden_states)
         return kernels.rms_norm(hidden_states, weight, eps)
 

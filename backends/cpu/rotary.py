@@ -3,9 +3,9 @@
 transformers rotates the query and the key with six torch ops each (multiplies, a negate, a concat, an add).
 A module qualifies when its forward is Llama's attention forward, bytecode for bytecode (Gemma, Granite and Arcee
 copy it), and the ``apply_rotary_pos_emb`` and ``rotate_half`` its module uses are Llama's too (GLM copies the
-forward but rotates interleaved pairs, so it keeps its own). The kernel does the same float32 arithmetic in the
-same order: bit for bit transformers' result. Float32 only; anything else (bf16, a KV cache object, partial
-rotary) takes the module's own forward.
+forward but rotates interleaved pairs, so it keeps its own). In float32 the kernel does the same arithmetic in the
+same order: bit for bit transformers' result; bf16 is computed in float32 and rounded once. Anything else (a KV
+cache object, partial rotary) takes the module's own forward.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def _fused_forward(attn: torch.nn.Module, kernels, names: dict):
                 attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs):
         cos, sin = position_embeddings
         input_shape = hidden_states.shape[:-1]
-        if (past_key_values is not None or hidden_states.dtype != torch.float32 or cos.dtype != torch.float32
+        if (past_key_values is not None or hidden_states.dtype not in (torch.float32, torch.bfloat16)
+                or (hidden_states.dtype == torch.float32 and cos.dtype != torch.float32)
                 or cos.shape != (*input_shape, attn.head_dim) or attn.training):  # e.g. cos broadcast over a batch
             return unfused(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
         hidden_shape = (*input_shape, -1, attn.head_dim)

@@ -34,3 +34,32 @@ def test_gemma_norm_keeps_its_own_forward():
     norm = GemmaRMSNorm(16)
     use_fused_rms_norms(norm, kernels)
     assert "forward" not in norm.__dict__
+
+
+@pytest.mark.parametrize("dim", [576, 5])
+def test_a_float32_stream_is_normed_into_the_weights_dtype(dim):
+    torch.manual_seed(0)
+    weight = torch.randn(dim).bfloat16()
+    x = torch.randn(3, dim) * 3
+    expected = (weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))).bfloat16()
+    got = kernels.rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("stream_dtype, dtype, tol", [(torch.float32, torch.float32, 1e-6),
+                                                      (torch.bfloat16, torch.bfloat16, 1e-2),
+                                                      (torch.float32, torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dim", [576, 24, 5])
+def test_add_rms_norm_adds_in_place_then_norms(stream_dtype, dtype, tol, dim):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(dim, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    residual, h = (torch.randn(4, dim) * 3).to(stream_dtype), torch.randn(4, dim).to(dtype)
+    expected_stream = (residual.float() + h.float()).to(stream_dtype)  # torch's add in the stream's dtype
+    expected = norm(expected_stream.to(dtype)) if stream_dtype == dtype else \
+        (norm.weight.float() * (expected_stream * torch.rsqrt(expected_stream.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dtype)
+    got = kernels.add_rms_norm(h, residual, norm.weight, 1e-5)
+    assert torch.equal(residual, expected_stream) and got.dtype == dtype
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)

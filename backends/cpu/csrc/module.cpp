@@ -18,6 +18,7 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
                              int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, int64_t head_size);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
@@ -33,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),
         py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
+  m.def("add_rms_norm", &add_rms_norm, "residual += h, then Llama-style RMSNorm of the residual",
+        py::arg("h"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, elementwise");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE applied in place to query and key rows",
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"), py::arg("head_size"));

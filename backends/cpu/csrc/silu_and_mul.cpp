@@ -20,6 +20,20 @@ inline float silu(float x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {  // round to nearest even
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+}
+
 // silu on eight lanes, the same steps as the scalar one (the scalar loop does not vectorize).
 inline __m256 silu8(__m256 x) {
   const __m256 e = pagedllm::exp_nonpositive8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));  // exp(-|x|)
@@ -39,9 +53,9 @@ void silu_and_mul_rows(const scalar_t* gates, int64_t gate_stride, const scalar_
       scalar_t* o = out + r * width;
       int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-      if constexpr (std::is_same<scalar_t, float>::value)
-        for (; i + 8 <= width; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
+      if constexpr (!std::is_same<scalar_t, double>::value)
+        for (; i + 8 <= width; i += 8)  // bf16 computed in float32, rounded once
+          store8(o + i, _mm256_mul_ps(silu8(load8(gate + i)), load8(up + i)));
 #endif
       for (; i < width; ++i)
         o[i] = static_cast<scalar_t>(silu(static_cast<float>(gate[i])) * static_cast<float>(up[i]));

@@ -1,0 +1,103 @@
+"""Llama decoder layers as one fused forward: one GEMM for q, k and v and one for gate and up (the weights
+concatenated once at load), RoPE, SiLU-and-multiply and "add the attention output to the residual stream, then
+RMSNorm it" in C++ kernels, and the residual stream optionally kept in float32 under bf16 weights (as llama.cpp
+does: bf16 rounding then touches only what enters a GEMM).
+
+A layer qualifies when its own code, its attention's, its MLP's and its norms' are transformers' Llama code,
+bytecode for bytecode (as for the single kernels): SmolLM2 and Llama 3 do; Mistral and Qwen2 pass a sliding window
+and keep their modules' forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.cpu import attention
+from pagedllm.backends.cpu.module_swap import INSIDE_FUSED_LAYER, code_of
+
+RESIDUAL_DTYPES = ("float32", "model")
+
+
+def _llama_code() -> dict:
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama import modeling_llama as llama
+
+    return {"layer": code_of(llama.LlamaDecoderLayer.forward), "attention": code_of(llama.LlamaAttention.forward),
+            "rotate": (code_of(llama.apply_rotary_pos_emb), code_of(llama.rotate_half)),
+            "mlp": code_of(llama.LlamaMLP.forward), "norm": code_of(llama.LlamaRMSNorm.forward),
+            "silu": (SiLUActivation, torch.nn.SiLU)}
+
+
+def _qualifies(layer: torch.nn.Module, llama: dict) -> bool:
+    if code_of(type(layer).forward) != llama["layer"]:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    used = getattr(type(attn).forward, "__globals__", {})
+    return (code_of(type(attn).forward) == llama["attention"]
+            and (code_of(used.get("apply_rotary_pos_emb")), code_of(used.get("rotate_half"))) == llama["rotate"]
+            and code_of(type(mlp).forward) == llama["mlp"] and isinstance(mlp.act_fn, llama["silu"])
+            and all(code_of(type(n).forward) == llama["norm"]
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm)))
+
+
+def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
+    """One nn.Linear whose output is the given layers' outputs side by side."""
+    first = linears[0]
+    fused = torch.nn.Linear(first.in_features, sum(lin.out_features for lin in linears),
+                            bias=first.bias is not None, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused
+
+
+def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: torch.dtype) -> int:
+    """Give every qualifying decoder layer the fused forward; returns how many. Call before packing the linears,
+    so that the concatenated ones are packed too."""
+    if kernels is None:
+        return 0
+    llama = _llama_code()
+    layers = [m for m in model.modules() if _qualifies(m, llama)]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _concatenated(attn.q_proj, attn.k_proj, attn.v_proj)
+        mlp.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # the weights are held once
+        for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            setattr(part, INSIDE_FUSED_LAYER, True)
+        layer.forward = _fused_forward(layer, kernels, residual_dtype)
+    return len(layers)
+
+
+def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype):
+    attn, mlp = layer.self_attn, layer.mlp
+    head_dim = attn.head_dim
+    q_width = attn.config.num_attention_heads * head_dim
+    kv_width = attn.config.num_key_value_heads * head_dim
+    intermediate = mlp.intermediate_size
+    input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+
+    def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,
+                past_key_values=None, use_cache: bool | None = False,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        # The residual stream: the embeddings in the first layer (copied when the stream is float32), updated in
+        # place after that.
+        stream = hidden_states if hidden_states.dtype == residual_dtype else hidden_states.to(residual_dtype)
+        tokens = stream.shape[:-1]
+        # The projections are looked up per call: they are swapped for packed ones after this.
+        x = kernels.rms_norm(stream, input_norm.weight, float(input_norm.variance_epsilon))
+        qkv = attn.qkv_proj(x)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        cos, sin = position_embeddings
+        kernels.rotary_embedding(q, k, cos.contiguous(), sin.contiguous(), head_dim)
+        heads = (*tokens, -1, head_dim)
+        out, _ = attention.paged_attention(attn, q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2),
+                                           v.view(heads).transpose(1, 2), None, scaling=attn.scaling, **kwargs)
+        h = attn.o_proj(out.reshape(*tokens, -1))
+        x = kernels.add_rms_norm(h, stream, post_norm.weight, float(post_norm.variance_epsilon))
+        gate_up = mlp.gate_up_proj(x)
+        h = mlp.down_proj(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
+        return stream.add_(h)
+
+    return forward

@@ -1,0 +1,39 @@
+"""Llama decoder layers fused into one forward: which layers qualify, and what the bf16 residual stream modes do."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
+from pagedllm.backends.cpu.kernels import load_kernels
+
+kernels, _ = load_kernels("auto")
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
+
+
+@pytest.mark.parametrize("arch, expected", [("llama", True), ("mistral", False), ("qwen2", False), ("qwen3", False),
+                                            ("gemma", False)])
+def test_only_llamas_own_layers_are_fused(tiny_model_dirs, arch, expected):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch], dtype=torch.float32)
+    layers = model.config.num_hidden_layers
+    assert use_fused_decoder_layers(model, kernels, torch.float32) == (layers if expected else 0)
+    if expected:
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert not hasattr(attn, "q_proj") and attn.qkv_proj.out_features == (
+            model.config.num_attention_heads + 2 * model.config.num_key_value_heads) * attn.head_dim
+        assert not hasattr(mlp, "up_proj") and mlp.gate_up_proj.out_features == 2 * mlp.intermediate_size
+
+
+@pytest.mark.parametrize("residual", ["model", "float32"])
+def test_bf16_runs_with_either_residual_stream(tiny_llama, residual):
+    llm = LLM(str(tiny_llama), dtype="bfloat16", residual_dtype=residual, max_model_len=128, kv_cache_space=0.01)
+    assert llm.engine.config.backend_options["residual_dtype"] == residual
+    reference = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01)
+    prompts = [[5 + i, 9, 33, 71, 100 + i, 7, 8] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3  # first tokens of a random tiny model mostly agree
+    llm.shutdown()
+    reference.shutdown()
