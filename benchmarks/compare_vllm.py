@@ -16,6 +16,7 @@ cannot be set up or run here, the harness says why and runs the others.
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
     python benchmarks/compare_vllm.py --engines pagedllm-openvino,openvino-genai   # the openvino backend's bar
     python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
+    python benchmarks/compare_vllm.py --model-shape llama-1b   # a Llama-3.2-1B-shaped model with random weights
     python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
     python benchmarks/compare_vllm.py --plot results.png --from-summary DIR/summary.json   # redraw, nothing run
 """
@@ -34,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import model_shapes
 import openvino_genai_offline
 import vllm_cpu_env
 
@@ -299,6 +301,9 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct); vLLM and "
                                         "transformers get its Hugging Face folder")
+    parser.add_argument("--model-shape", choices=sorted(model_shapes.SHAPES), default=None,
+                        help="instead of --model, a model of this shape with random weights (made once, cached): "
+                             "decode bound by memory traffic as on real 1B models")
     parser.add_argument("--workloads", default="W1,W2", help="which workloads, comma-separated (default W1,W2)")
     parser.add_argument("--runs", type=int, default=1, help="rounds; the summary takes the median (default 1)")
     parser.add_argument("--smoke", action="store_true",
@@ -375,6 +380,10 @@ def main() -> None:
     work_dir = args.work_dir or cache_dir() / "bench" / time.strftime("compare-%Y%m%d-%H%M%S")
     work_dir.mkdir(parents=True, exist_ok=True)
     source = resolve_model(args.model)
+    if args.model_shape:
+        if args.model:
+            raise SystemExit("give --model or --model-shape, not both")
+        source = resolve_model(str(model_shapes.shaped_model(args.model_shape, source.hf_dir, cache_dir())))
     print(f"model {source.name}: Hugging Face folder {source.hf_dir}; results in {work_dir}", flush=True)
     tokenizer = load_tokenizer(source)
     shapes = SMOKE_WORKLOADS if args.smoke else WORKLOADS
