@@ -5,10 +5,20 @@ import torch
 
 from pagedllm.backends.cpu.attention import shared_prefix_blocks
 from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu_features import kernel_level, rank
 from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
 
-kernels, _ = load_kernels("auto")
-pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernel could not be built here"), pytest.mark.cpu_isa]
+pytestmark = [pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C++ kernels could not be built here"),
+              pytest.mark.cpu_isa]
+# Every build this CPU runs, but avx2 where the second CI pass (PAGEDLLM_CPU_ISA=avx2) runs it: the one in use here,
+# the portable one, and AVX-512 without bf16.
+LEVELS = sorted({kernel_level(), *(lvl for lvl in ("generic", "avx512") if rank(lvl) <= rank(kernel_level()))},
+                key=rank)
+
+
+@pytest.fixture(params=LEVELS, scope="module")
+def kernels(request):
+    return load_kernels("kernel", request.param)[0]
 
 BS, HKV, GROUPS, D = 16, 3, 3, 64
 
@@ -50,7 +60,7 @@ def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tens
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                           (torch.float32, "u8"), (torch.bfloat16, "u8")])
 @pytest.mark.parametrize("window", [-1, 20])
-def test_kernel_matches_torch(dtype, cache, window):
+def test_kernel_matches_torch(dtype, cache, window, kernels):
     torch.manual_seed(0)
     lens = [1, 15, 16, 17, 40, 77]
     num_blocks = 64
@@ -72,7 +82,7 @@ def test_kernel_matches_torch(dtype, cache, window):
 
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.bfloat16)])
-def test_kernel_stores_the_new_rows_it_is_given(dtype, cache):
+def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, kernels):
     """Given this step's keys and values, the kernel writes them into their slots before attending: the same
     cache contents and output as a row copy followed by the kernel."""
     torch.manual_seed(1)
@@ -109,7 +119,7 @@ def test_kernel_stores_the_new_rows_it_is_given(dtype, cache):
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                           (torch.float32, "u8"), (torch.float32, "bf16")])
 @pytest.mark.parametrize("window", [-1, 20])
-def test_prefill_kernel_matches_torch(dtype, cache, window):
+def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
     """Prompt chunks of several lengths, some behind cached tokens (prefix caching, earlier chunks): every query
     token sees the keys up to its own position (and within the window), read from the blocks in place."""
     torch.manual_seed(3)
@@ -162,7 +172,7 @@ def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_block
 
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                           (torch.float32, "u8")])
-def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, cache):
+def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, cache, kernels):
     torch.manual_seed(0)
     lens = [49, 64, 65, 120, 50, 77, 90, 100, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62]  # two tiles of 16
     caches = make_caches(cache, 128)
@@ -186,7 +196,7 @@ def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, c
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-def test_shared_blocks_are_checked():
+def test_shared_blocks_are_checked(kernels):
     caches = make_caches("fp32", 32)
     table = fill_shared_prefix(caches, 2, [40, 33], 32)
     q, out = torch.randn(2, HKV * GROUPS, D), torch.empty(2, HKV * GROUPS, D)
