@@ -51,7 +51,7 @@ def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torc
 
 
 RESIDUAL_DTYPE = Setting(
-    "residual_dtype", str, "model", "dtype of the residual stream between fused decoder layers under bf16 weights: "
+    "residual_dtype", str, "float32", "dtype of the residual stream between fused decoder layers under bf16 weights: "
     "float32 (as llama.cpp; bf16 rounding touches only GEMM inputs) or model (as vLLM and transformers)",
     ("float32", "model"))
 
