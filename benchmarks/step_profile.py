@@ -108,19 +108,19 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variant] or [("base", {})]
     llms = {name: make_llm(args, env) for name, env in variants}
     first = next(iter(llms.values()))
-    batches = record_batches(first, args.num_prompts, args.input_len, args.decode_steps)
-    for llm in list(llms.values())[1:]:  # the same cache contents for every variant
-        record_batches(llm, args.num_prompts, args.input_len, args.decode_steps)
+    # Each variant runs the same requests into its own cache (block sizes may differ) and replays its own batches.
+    batches = {name: record_batches(llm, args.num_prompts, args.input_len, args.decode_steps)
+               for name, llm in llms.items()}
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     for step in steps:
-        batch = batches[step]
+        batch = batches[variants[0][0]][step]
         times: dict[str, list[float]] = {name: [] for name in llms}
         for name, llm in llms.items():  # warm-up
-            llm.engine.backend.execute(batch)
+            llm.engine.backend.execute(batches[name][step])
         for _ in range(args.repeat):
             for name, llm in llms.items():
                 start = time.perf_counter()
-                llm.engine.backend.execute(batch)
+                llm.engine.backend.execute(batches[name][step])
                 times[name].append(time.perf_counter() - start)
         base = statistics.median(times[variants[0][0]])
         print(f"{step} ({batch.num_seqs} sequences, {batch.num_tokens} tokens, context up to {batch.max_seq_len}):")
