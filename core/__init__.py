@@ -19,12 +19,14 @@ from pagedllm.llm import LLM  # noqa: E402
 from pagedllm.model_source import ModelSource  # noqa: E402
 from pagedllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedllm.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.structured_output import StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "LLMEngine",

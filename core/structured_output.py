@@ -139,7 +139,7 @@ class StructuredOutputManager:
         if stop_ids:
             matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         else:  # ignore_eos without stop tokens: the sequence ends where the grammar does
-            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[], terminate_without_stop_token=True)
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         return GrammarState(matcher)
 
     def compile(self, params: StructuredOutputsParams):

@@ -39,21 +39,21 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
 class _FunctionName(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
 
 
 class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``; a tool has the same shape with the whole definition."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: _FunctionName
+
+
+class ChatTool(NamedToolChoice):
+    function: FunctionDefinition
 
 
 class ToolFields(BaseModel):
