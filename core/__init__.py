@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.structured_output",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine",

@@ -31,6 +31,7 @@ from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 from pagedllm.stats import EngineStats
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
+        self.structured_outputs = StructuredOutputManager(tokenizer, model_info.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._groups: dict[str, _Group] = {}
         self._counters = _Counters()
@@ -131,6 +133,8 @@ class LLMEngine:
                       arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int) -> Request:
         request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
                           group_id=group_id, index=index)
+        if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one raises here
+            request.grammar = self.structured_outputs.new_state(params.structured_outputs, stop_ids)
         if params.detokenize:
             request.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
@@ -233,6 +237,8 @@ class LLMEngine:
             request.cumulative_logprob += sampled_lp
 
         status = None
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (or, by its stop token, ended)
         may_stop = request.num_output_tokens >= params.min_tokens
         stopped_by_token = may_stop and token_id in request.stop_ids
         if stopped_by_token:

@@ -59,6 +59,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.detokenizer = None  # set by the engine when text is wanted
+        self.grammar = None  # a structured_output.GrammarState, set by the engine for constrained output
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
 

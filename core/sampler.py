@@ -1,8 +1,8 @@
 """From logits of the sampled rows to one token each, for the whole batch at once.
 
-Order per row, as in vLLM: logit bias and min_tokens, penalties, then greedy argmax or temperature,
-top-k / top-p / min-p and a draw. A request with a seed draws from its own generator, so its tokens do
-not depend on what else is in the batch; the others share the engine's generator.
+Order per row, as in vLLM: a structured-output grammar's token mask, logit bias and min_tokens, penalties,
+then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a seed draws from its own
+generator, so its tokens do not depend on what else is in the batch; the others share the engine's generator.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from pagedllm.request import Request
+from pagedllm.structured_output import apply_bitmasks
 
 
 @dataclasses.dataclass
@@ -31,6 +32,7 @@ class Sampler:
         want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
+        apply_bitmasks(logits, requests)  # grammars first: what follows only reweighs the tokens they allow
         self._adjust_logits(logits, requests)
         # numpy's argmax: several times faster than torch's for a batch of rows, the same ties.
         tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))

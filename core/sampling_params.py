@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedllm.errors import InvalidRequestError
+from pagedllm.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -32,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is taken too
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +44,8 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._check()
 
     def _check(self) -> None:

@@ -120,11 +120,15 @@ def test_throughput_random_counts_tokens_and_saves_its_workload(tiny_llama, tmp_
     assert r["engine"]["dtype"] == "float32" and r["engine"]["enable_prefix_caching"] is False
     assert Workload.load(saved).num_prompt_tokens == 48
 
-    # The saved workload replays the same token ids.
+    assert r["num_structured_requests"] == 0
+
+    # The saved workload replays the same token ids; half the requests under the default JSON schema still make
+    # their whole output length.
     again = tmp_path / "again.json"
     assert run_bench("throughput", "--model", tiny_llama, *TINY_ENGINE, "--workload", saved,
-                     "--output-json", again) == 0
-    assert json.loads(again.read_text())["total_num_tokens"] == 80
+                     "--structured-fraction", 0.5, "--output-json", again) == 0
+    r = json.loads(again.read_text())
+    assert (r["total_num_tokens"], r["num_structured_requests"]) == (80, 2)
 
 
 def test_throughput_shared_prefix_hits_the_prefix_cache(tiny_llama, tmp_path):
@@ -159,6 +163,11 @@ def test_throughput_bad_input_is_a_clear_error(tiny_llama, tmp_path, capsys):
     assert run_bench("throughput", "--model", tiny_llama, *TINY_ENGINE, "--num-prompts", 1, "--input-len", 500,
                      "--output-len", 100) == 2
     assert "raise --max-model-len" in capsys.readouterr().err
+    assert run_bench("throughput", "--model", tiny_llama, *TINY_ENGINE, "--structured-fraction", 2) == 2
+    assert "--structured-fraction must be in [0, 1]" in capsys.readouterr().err
+    assert run_bench("throughput", "--model", tiny_llama, *TINY_ENGINE, "--structured-fraction", 1,
+                     "--json-schema", "{oops") == 2
+    assert "--json-schema is not valid JSON" in capsys.readouterr().err
 
 
 # -- bench serve ----------------------------------------------------------------------------------------------

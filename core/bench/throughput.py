@@ -1,21 +1,35 @@
 """Offline throughput: start an engine, run a whole workload through it at once, report rates and KV numbers.
 
 Greedy, EOS ignored, so every request produces exactly its output length and two engines do the same work.
+``--structured-fraction`` puts that share of the requests under a JSON schema (structured outputs); the default
+schema cannot be finished within any output length here, so those requests make exactly their length too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 from pagedllm.bench.report import print_report, write_json
 from pagedllm.bench.workload import Workload, WorkloadError, add_workload_args, workload_from_args
 from pagedllm.config import EngineArgs
 
+# An array of at least 1000 people: always valid JSON so far, never complete within a benchmark's output length.
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"]}}
+
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
     parser.add_argument("--output-json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--structured-fraction", type=float, default=0.0, metavar="F",
+                        help="share of the requests (spread evenly) held to --json-schema (default 0)")
+    parser.add_argument("--json-schema", metavar="SCHEMA",
+                        help="a JSON schema file or text for --structured-fraction (default: an array of at least "
+                             "1000 {name, age, city} objects, which no request finishes)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -23,6 +37,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     from pagedllm import LLM, SamplingParams
 
     workload = Workload.load(args.workload) if args.workload else None  # a bad file fails before the start-up
+    schema = _structured_schema(args)
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
@@ -37,14 +52,18 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                 f"than max_model_len {engine.config.max_model_len}; shorten it or raise "
                                 f"--max-model-len")
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-                  for r in workload.requests]
+        fraction = args.structured_fraction
+        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
+                                 structured_outputs={"json": schema} if int((i + 1) * fraction) > int(i * fraction)
+                                 else None)
+                  for i, r in enumerate(workload.requests)]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
     finally:
         llm.shutdown()
     results = _results(engine, workload, outputs, elapsed, startup)
+    results["num_structured_requests"] = sum(p.structured_outputs is not None for p in params)
     print_report("pagedllm throughput", _report_lines(results))
     if args.output_json:
         write_json(args.output_json, results)
@@ -104,4 +123,23 @@ def _report_lines(r: dict) -> list[tuple[str, str]]:
          f"{100 * (hit_rate or 0):.1f}% ({r['prefix_cache_hit_tokens']} of {r['prefix_cache_queried_tokens']} "
          f"prompt tokens)"),
         ("preemptions", str(r["num_preemptions"])),
+        ("structured outputs", f"{r['num_structured_requests']} requests under a JSON schema"),
     ]
+
+
+def _structured_schema(args: argparse.Namespace) -> dict | None:
+    if not 0 <= args.structured_fraction <= 1:
+        raise WorkloadError(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
+    if args.json_schema is None:
+        return BENCH_SCHEMA
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise WorkloadError(f"--json-schema {args.json_schema!r} is neither a JSON object nor a readable file: "
+                                f"{exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"--json-schema is not valid JSON: {exc}") from None

@@ -29,6 +29,13 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def test_auto_tool_choice_needs_both_flags():
+    assert ServerConfig.from_cli_args(parse(), environ={}).tool_call_parser is None
+    assert ServerConfig.from_cli_args(parse("--tool-call-parser", "hermes"), environ={}).tool_call_parser is None
+    both = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert ServerConfig.from_cli_args(both, environ={}).tool_call_parser == "hermes"
+
+
 def test_api_key_flag_beats_env_vars():
     assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v"}).api_key == "v"
     assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v", "PAGEDLLM_API_KEY": "p"}).api_key == "p"
@@ -39,6 +46,7 @@ def test_api_key_flag_beats_env_vars():
     (["--max-request-size", "0"], "--max-request-size must be a positive number of bytes"),
     (["--max-log-len", "-1"], "--max-log-len must be 0 or more"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds"),
+    (["--enable-auto-tool-choice"], r"--enable-auto-tool-choice needs --tool-call-parser \(hermes\)"),
 ])
 def test_bad_values_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -36,7 +36,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     model_names = config.served_model_names or [source.name]
     prompts = PromptBuilder(load_tokenizer(source), engine_config.max_model_len, engine.engine.model_info.vocab_size,
                             config.chat_template)
-    ctx = ServingContext(engine, prompts, model_names, config.max_log_len)
+    ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser)
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())

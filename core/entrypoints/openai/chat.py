@@ -9,30 +9,43 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.async_engine import OutputStream
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving import (ServingContext, created, streaming_response, unless_disconnected,
                                                  usage)
+from pagedllm.entrypoints.openai.tool_calls import ToolCalling
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
     body.check_supported("/v1/chat/completions")
     model = ctx.check_model(body.model)
     max_tokens = body.requested_max_tokens
-    params = body.sampling_params(max_tokens, body.num_logprobs)
-    prompt = ctx.prompts.chat_prompt(body.messages, body)
+    tools = ToolCalling.for_request(body, ctx.tool_call_parser)
+    constraint, constraint_field = body.structured_outputs_params()
+    tool_constraint = tools.constraint() if tools is not None else None
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise OpenAIError(400, f"{constraint_field} cannot be combined with tool_choice "
+                                   f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
+                              param=constraint_field)
+        constraint, constraint_field = tool_constraint, "tools"
+    params = body.sampling_params(max_tokens, body.num_logprobs, constraint)
+    if tools is not None and tools.mode == "auto" and body.skip_special_tokens is None:
+        params.skip_special_tokens = False  # as vLLM: hermes models may mark <tool_call> special, the parser needs it
+    prompt = ctx.prompts.chat_prompt(body.messages, tools.template_fields(body) if tools is not None else body)
     ctx.prompts.max_tokens(prompt, max_tokens, body.max_tokens_param)
-    response_id, stream = await ctx.start("chatcmpl", [prompt], params)
+    response_id, stream = await ctx.start("chatcmpl", [prompt], params, constraint_field)
     num_prompt_tokens = len(prompt["prompt_token_ids"])
     header = {"id": response_id, "created": created(), "model": model}
     if body.stream:
         header["object"] = "chat.completion.chunk"
-        return streaming_response(_events(body, ctx, stream, num_prompt_tokens, header), stream)
+        return streaming_response(_events(body, ctx, stream, num_prompt_tokens, header, tools), stream)
     header["object"] = "chat.completion"
-    return await unless_disconnected(request, _collect(body, ctx, stream, num_prompt_tokens, header), stream)
+    return await unless_disconnected(request, _collect(body, ctx, stream, num_prompt_tokens, header, tools), stream)
 
 
 async def _collect(body: ChatCompletionRequest, ctx: ServingContext, stream: OutputStream, num_prompt_tokens: int,
-                   header: dict) -> JSONResponse:
+                   header: dict, tools: ToolCalling | None) -> JSONResponse:
     finals = {}
     async with stream:
         async for output in stream:
@@ -45,15 +58,17 @@ async def _collect(body: ChatCompletionRequest, ctx: ServingContext, stream: Out
         if body.logprobs:
             logprobs = {"content": chat_logprobs(completion.token_ids, completion.logprobs, ctx.prompts.token_text,
                                                  body.num_logprobs)}
-        choices.append({"index": index, "message": {"role": "assistant", "content": completion.text},
-                        "logprobs": logprobs, "finish_reason": completion.finish_reason,
+        message, finish_reason = {"role": "assistant", "content": completion.text}, completion.finish_reason
+        if tools is not None:
+            message, finish_reason = tools.message(completion.text, finish_reason)
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": completion.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in finals.values())
     return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens)})
 
 
 async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: OutputStream, num_prompt_tokens: int,
-                  header: dict) -> AsyncIterator[dict]:
+                  header: dict, tools: ToolCalling | None) -> AsyncIterator[dict]:
     extra = {"usage": None} if body.include_usage_in_stream else {}
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
@@ -63,6 +78,7 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
     for index in range(body.num_choices):
         yield chunk(index, {"role": "assistant", "content": ""})
     completion_tokens = 0
+    tool_streams = {index: tools.stream() for index in range(body.num_choices)} if tools is not None else {}
     async for output in stream:
         for completion in output.outputs:
             completion_tokens += len(completion.delta_token_ids)
@@ -70,8 +86,18 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
             if body.logprobs and completion.delta_token_ids:
                 logprobs = {"content": chat_logprobs(completion.delta_token_ids, completion.delta_logprobs,
                                                      ctx.prompts.token_text, body.num_logprobs)}
-            if completion.delta_text or completion.finished or logprobs:
-                delta = {"content": completion.delta_text} if completion.delta_text else {}
-                yield chunk(completion.index, delta, logprobs, completion.finish_reason, completion.stop_reason)
+            content, calls, finish_reason = completion.delta_text, [], completion.finish_reason
+            tool_stream = tool_streams.get(completion.index)
+            if tool_stream is not None:
+                content, calls = tool_stream.feed(content)
+                if completion.finished:
+                    more_content, more_calls = tool_stream.finish()
+                    content, calls = content + more_content, calls + more_calls
+                    finish_reason = tool_stream.finish_reason(finish_reason)
+            if content or calls or completion.finished or logprobs:
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                yield chunk(completion.index, delta, logprobs, finish_reason, completion.stop_reason)
     if body.include_usage_in_stream:
         yield {**header, "choices": [], "usage": usage(num_prompt_tokens, completion_tokens)}

@@ -12,6 +12,7 @@ from pagedllm.errors import ConfigError
 
 API_KEY_ENVS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
 DEFAULT_MAX_REQUEST_SIZE = 10 * 1024 * 1024
+TOOL_CALL_PARSERS = ("hermes",)  # tool_calls.py reads each
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they are aborted "
                              "(default 30)")
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let chat requests with tools use tool_choice "auto" (the default with tools): the '
+                            "model's tool calls are parsed out of its text by --tool-call-parser")
+    tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call>")
     EngineArgs.add_cli_args(parser, include_model=False)
 
 
@@ -50,6 +57,7 @@ class ServerConfig:
     max_log_len: int | None = None
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
     shutdown_timeout: float = 30.0
+    tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, environ=None) -> "ServerConfig":
@@ -61,9 +69,12 @@ class ServerConfig:
             raise ConfigError(f"--max-log-len must be 0 or more, got {args.max_log_len}")
         if args.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
         return cls(host=args.host, port=args.port, api_key=api_key, served_model_names=args.served_model_name,
                    chat_template=load_chat_template(args.chat_template), max_log_len=args.max_log_len,
-                   max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout)
+                   max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout,
+                   tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -17,11 +17,12 @@ from pagedllm.entrypoints.openai.serving import (ServingContext, created, prompt
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     body.check_supported("/v1/completions")
     model = ctx.check_model(body.model)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    constraint, constraint_field = body.structured_outputs_params()
+    params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
     prompts = ctx.prompts.completion_prompts(body.prompt)
     for prompt in prompts:
         ctx.prompts.max_tokens(prompt, body.max_tokens, "max_tokens")
-    response_id, stream = await ctx.start("cmpl", prompts, params)
+    response_id, stream = await ctx.start("cmpl", prompts, params, constraint_field)
     header = {"id": response_id, "object": "text_completion", "created": created(), "model": model}
     if body.stream:
         return streaming_response(_events(body, ctx, stream, prompts, header), stream)

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their mapping to ``SamplingParams``.
 
-Types are checked strictly (a string is not a number). Fields pagedllm does not implement (tools, response_format,
+Types are checked strictly (a string is not a number). Fields pagedllm does not implement (functions, best_of,
 ...) are refused by name unless null or their no-op value, never silently ignored.
 """
 
@@ -11,11 +11,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.response_format import StructuredOutputFields
+from pagedllm.entrypoints.openai.tool_calls import ToolFields
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputsParams
 
 # Fields a client may send with a value that asks for nothing: accepted and ignored.
 _NO_OP_VALUES: dict[str, list[Any]] = {
-    "response_format": [{"type": "text"}],
     "tool_choice": ["none"],
     "tools": [[]],
     "functions": [[]],
@@ -29,7 +31,7 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(StructuredOutputFields):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="allow", strict=True)
@@ -73,7 +75,8 @@ class _GenerationRequest(BaseModel):
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ``InvalidRequestError`` naming the field for a value out of range."""
         def given(value, default):
             return default if value is None else value
@@ -86,7 +89,8 @@ class _GenerationRequest(BaseModel):
             ignore_eos=given(self.ignore_eos, False), presence_penalty=given(self.presence_penalty, 0.0),
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
-            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True))
+            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True),
+            structured_outputs=structured_outputs)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -140,7 +144,7 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_GenerationRequest, ChatTemplateFields):
+class ChatCompletionRequest(_GenerationRequest, ChatTemplateFields, ToolFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins when both are given

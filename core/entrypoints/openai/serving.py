@@ -17,7 +17,9 @@ from starlette.background import BackgroundTask
 from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import PARAM as STRUCTURED_OUTPUTS_PARAM
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -31,6 +33,7 @@ class ServingContext:
     prompts: PromptBuilder
     model_names: list[str]
     max_log_len: int | None = None
+    tool_call_parser: str | None = None  # set when auto tool choice is on
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -41,11 +44,18 @@ class ServingContext:
                                    f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
         return requested
 
-    async def start(self, kind: str, prompts: list[dict], params: SamplingParams) -> tuple[str, OutputStream]:
-        """Queue one engine request per prompt (all or none); ``InvalidRequestError`` if the engine refuses one."""
+    async def start(self, kind: str, prompts: list[dict], params: SamplingParams,
+                    constraint_field: str | None = None) -> tuple[str, OutputStream]:
+        """Queue one engine request per prompt (all or none); ``InvalidRequestError`` if the engine refuses one
+        (a constraint that does not compile is blamed on ``constraint_field``, the request field it came from)."""
         response_id = f"{kind}-{uuid.uuid4().hex}"
         self._log(response_id, prompts, params)
-        stream = await self.engine.add([(f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)])
+        try:
+            stream = await self.engine.add([(f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)])
+        except InvalidRequestError as exc:
+            if constraint_field is not None and exc.param == STRUCTURED_OUTPUTS_PARAM:
+                raise OpenAIError(400, f"{constraint_field}: {exc}", param=constraint_field) from None
+            raise
         return response_id, stream
 
     def _log(self, response_id: str, prompts: list[dict], params: SamplingParams) -> None:

@@ -1,0 +1,329 @@
+"""Tool calling on chat completions: which output the tools ask for, and the tool calls read back out of the text.
+
+- ``tool_choice`` a named function: the output is held (by a grammar) to that function's parameters schema; the whole
+  output is the call's arguments.
+- ``"required"``: the output is held to a JSON array of ``{"name": ..., "parameters": {...}}``, one of the functions
+  each; every element is a call.
+- ``"auto"`` (with ``--enable-auto-tool-choice --tool-call-parser hermes``): the model writes freely; each
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in its text is a call, the rest is content.
+- ``"none"``, or no tools: plain text.
+
+One ``ToolCallStream`` per choice turns text deltas into OpenAI's deltas (content and/or ``tool_calls`` entries: the
+first for a call carries its id, type and name, the next ones more of its arguments). A whole response runs the
+same stream over the whole text, so streamed and whole responses say the same.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedllm.entrypoints.openai.cli_args import TOOL_CALL_PARSERS  # noqa: F401 (the parsers this module has)
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.structured_output import StructuredOutputsParams
+
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_REQUIRED_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``; a tool has the same shape with the whole definition."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class ChatTool(NamedToolChoice):
+    function: FunctionDefinition
+
+
+class ToolFields(BaseModel):
+    """Mixed into the chat completion request body."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class ToolCalling:
+    """What a request's tools ask for: the constraint on the output (named, required), the template's tools, and
+    the parsing of the output."""
+
+    def __init__(self, mode: str, tools: list[ChatTool], name: str | None = None,
+                 parallel_tool_calls: bool = True) -> None:
+        self.mode = mode  # "named" | "required" | "auto"
+        self.tools = tools
+        self.name = name
+        self.parallel_tool_calls = parallel_tool_calls
+
+    @classmethod
+    def for_request(cls, body: ToolFields, parser: str | None) -> "ToolCalling | None":
+        """None when the output is plain text; 400 for a tool_choice the tools or the server cannot serve.
+        ``parser`` is the server's auto tool-call parser (None: auto tool choice is off)."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        parallel = body.parallel_tool_calls is not False
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in body.tools]
+            if choice.function.name not in names:
+                raise OpenAIError(400, f"tool_choice names the function {choice.function.name!r}, which is not "
+                                       f"among the tools ({', '.join(map(repr, names))})", param="tool_choice")
+            return cls("named", body.tools, choice.function.name, parallel)
+        if choice == "required":
+            return cls("required", body.tools, None, parallel)
+        if parser is None:  # "auto", given or by default
+            raise OpenAIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
+                                   '--enable-auto-tool-choice --tool-call-parser hermes; or send tool_choice '
+                                   '"required", a named function, or "none"', param="tool_choice")
+        return cls("auto", body.tools, None, parallel)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar the output follows: the named function's parameters, or an array of calls."""
+        if self.mode == "named":
+            return StructuredOutputsParams(json=_parameters(self._function(self.name)))
+        if self.mode == "required":
+            calls = [{"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                     "parameters": _parameters(t.function)},
+                      "required": ["name", "parameters"]} for t in self.tools]
+            schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if not self.parallel_tool_calls:
+                schema["maxItems"] = 1
+            return StructuredOutputsParams(json=schema)
+        return None
+
+    def template_fields(self, body: BaseModel) -> BaseModel:
+        """The request with the tools added to its chat_template_kwargs, for templates that describe them."""
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in self.tools], **(body.chat_template_kwargs or {})}
+        return body.model_copy(update={"chat_template_kwargs": kwargs})
+
+    def stream(self) -> "ToolCallStream":
+        if self.mode == "named":
+            return _NamedStream(self.name)
+        if self.mode == "required":
+            return _RequiredStream()
+        return _HermesStream()
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole response's message and finish reason."""
+        stream = self.stream()
+        content, deltas = stream.feed(text)
+        more_content, more_deltas = stream.finish()
+        calls: list[dict] = []
+        for delta in deltas + more_deltas:
+            if "id" in delta:
+                calls.append({"id": delta["id"], "type": "function", "function": dict(delta["function"])})
+            else:
+                calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+        content += more_content
+        message = {"role": "assistant", "content": (content if content.strip() else None) if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, stream.finish_reason(finish_reason)
+
+    def _function(self, name: str) -> FunctionDefinition:
+        return next(t.function for t in self.tools if t.function.name == name)
+
+
+def _parameters(function: FunctionDefinition) -> dict:
+    return function.parameters if function.parameters else _NO_PARAMETERS
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _header(index: int, name: str, arguments: str = "") -> dict:
+    return {"index": index, "id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments(index: int, arguments: str) -> dict:
+    return {"index": index, "function": {"arguments": arguments}}
+
+
+class ToolCallStream:
+    """Text deltas in; (content delta, tool_calls delta entries) out."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The end of the output: what was held back."""
+        return "", []
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.num_calls else reason
+
+
+class _NamedStream(ToolCallStream):
+    """The whole output is the arguments of one call."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if not self.num_calls:
+            self.num_calls = 1
+            return "", [_header(0, self.name, text)]
+        return "", [_arguments(0, text)] if text else []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return self.feed("") if not self.num_calls else ("", [])
+
+
+class _RequiredStream(ToolCallStream):
+    """``[{"name": "f", "parameters": {...}}, ...]`` in the grammar's compact form: a call's header once its name is
+    complete, then its arguments as they come. What is left unfinished at the end (max_tokens) is content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.item = ""  # the current element's text up to its arguments
+        self.in_arguments = False
+        self.unfinished = ""  # all text since the last complete element
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        deltas: list[dict] = []
+        arguments = ""
+        for char in text:
+            self.unfinished += char
+            closes_item = not self.in_string and char == "}" and self.depth == 2
+            self._scan(char)
+            if self.in_arguments:
+                if closes_item:
+                    self._flush(deltas, arguments)
+                    arguments, self.in_arguments, self.item, self.unfinished = "", False, "", ""
+                else:
+                    arguments += char
+            elif self.depth >= 2 or closes_item:
+                self.item += char
+                match = _REQUIRED_HEADER.fullmatch(self.item)
+                if match:
+                    deltas.append(_header(self.num_calls, json.loads(match.group(1))))
+                    self.num_calls += 1
+                    self.in_arguments = True
+            elif self.depth == 0 and char == "]":
+                self.unfinished = ""
+        self._flush(deltas, arguments)
+        return "", deltas
+
+    def _flush(self, deltas: list[dict], arguments: str) -> None:
+        if not arguments:
+            return
+        if deltas and deltas[-1]["index"] == self.num_calls - 1:
+            deltas[-1]["function"]["arguments"] += arguments
+        else:
+            deltas.append(_arguments(self.num_calls - 1, arguments))
+
+    def _scan(self, char: str) -> None:
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in "[{":
+            self.depth += 1
+        elif char in "]}":
+            self.depth -= 1
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return ("" if self.num_calls else self.unfinished), []
+
+
+class _HermesStream(ToolCallStream):
+    """Content, with ``<tool_call>{json}</tool_call>`` blocks taken out as calls (whole, once the block closes).
+    A block whose JSON does not parse stays in the content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer = ""
+        self.in_call = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buffer += text
+        content, deltas = "", []
+        while True:
+            if not self.in_call:
+                start = self.buffer.find(_HERMES_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self.buffer, _HERMES_OPEN)
+                    content += self.buffer[:len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return content, deltas
+                content += self.buffer[:start]
+                self.buffer = self.buffer[start:]
+                self.in_call = True
+            end = self.buffer.find(_HERMES_CLOSE)
+            if end < 0:
+                return content, deltas
+            block = self.buffer[:end + len(_HERMES_CLOSE)]
+            self.buffer = self.buffer[len(block):]
+            self.in_call = False
+            call = self._call(block[len(_HERMES_OPEN):-len(_HERMES_CLOSE)])
+            if call is None:
+                content += block
+            else:
+                deltas.append(call)
+
+    def _call(self, body: str) -> dict | None:
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return None
+        arguments = parsed.get("arguments", parsed.get("parameters", {}))
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        self.num_calls += 1
+        return _header(self.num_calls - 1, parsed["name"], arguments)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """An unclosed block: a call if its JSON is complete (the model stopped before the closing tag)."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_call:
+            call = self._call(rest[len(_HERMES_OPEN):])
+            if call is not None:
+                return "", [call]
+        return rest, []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could begin ``tag`` (held back until the next delta)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,151 @@
+"""Tool-call parsing and the request fields of structured outputs, without a model: every way of cutting a text into
+deltas streams the same calls as the whole text; what each tool_choice asks for; conflicts and bad values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.tool_calls import ToolCalling
+from pagedllm.structured_output import StructuredOutputsParams
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat_request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, **fields})
+
+
+def calling(tool_choice, parser: str | None = "hermes", **fields) -> ToolCalling:
+    return ToolCalling.for_request(chat_request(tools=TOOLS, tool_choice=tool_choice, **fields), parser)
+
+
+def streamed(tools: ToolCalling, text: str, size: int) -> tuple[str, list[dict]]:
+    """Feed ``text`` in pieces of ``size`` characters; merge the deltas as a client does."""
+    stream = tools.stream()
+    content, calls = "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] + [None]
+    for piece in pieces:
+        more, deltas = stream.feed(piece) if piece is not None else stream.finish()
+        content += more
+        for delta in deltas:
+            if "id" in delta:
+                assert delta["index"] == len(calls) and delta["id"].startswith("call_")
+                calls.append({"name": delta["function"]["name"], "arguments": ""})
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return content, calls
+
+
+def whole(tools: ToolCalling, text: str, finish_reason: str = "stop"):
+    message, reason = tools.message(text, finish_reason)
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in message.get("tool_calls", [])]
+    return message["content"], calls, reason
+
+
+CASES = {
+    # name: (tool_choice, text, content, calls)
+    "named": ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Pa}r\\"is"}', None,
+              [("get_weather", '{"city": "Pa}r\\"is"}')]),
+    "required-two": ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                                 '{"name": "get_time", "parameters": {}}]', None,
+                     [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    "hermes": ("auto", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                       '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "Sure.\n\n",
+               [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    "hermes-unclosed-at-the-end": ("auto", '<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}', None,
+                                   [("get_time", '{"city": "Rome"}')]),
+    "hermes-bad-json-stays-content": ("auto", "a <tool_ca b <tool_call>bad</tool_call> c",
+                                      "a <tool_ca b <tool_call>bad</tool_call> c", []),
+    "hermes-no-call": ("auto", "The weather is fine.", "The weather is fine.", []),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_calls_equal_the_whole_response(name, size):
+    tool_choice, text, content, calls = CASES[name]
+    tools = calling(tool_choice)
+    expected_calls = [{"name": n, "arguments": a} for n, a in calls]
+    got_content, got_calls, reason = whole(tools, text)
+    assert (got_content, got_calls) == (content, expected_calls)
+    assert reason == ("tool_calls" if calls else "stop")
+    streamed_content, streamed_calls = streamed(tools, text, size)
+    assert streamed_calls == expected_calls and streamed_content == (content or "")
+
+
+def test_cut_by_max_tokens():
+    named = calling({"type": "function", "function": {"name": "get_weather"}})
+    assert whole(named, '{"ci', "length") == (None, [{"name": "get_weather", "arguments": '{"ci'}], "length")
+    required = calling("required")
+    cut_in_arguments = '[{"name": "get_weather", "parameters": {"ci'
+    assert whole(required, cut_in_arguments, "length")[1:] == ([{"name": "get_weather", "arguments": '{"ci'}],
+                                                               "length")
+    assert whole(required, '[{"name": "get_w', "length") == ('[{"name": "get_w', [], "length")
+
+
+def test_what_each_tool_choice_asks_for():
+    named = calling({"type": "function", "function": {"name": "get_weather"}})
+    assert named.constraint() == StructuredOutputsParams(json=WEATHER)
+    schema = json.loads(calling("required").constraint().key()[1])
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert json.loads(calling("required", parallel_tool_calls=False).constraint().key()[1])["maxItems"] == 1
+    assert calling("auto").constraint() is None
+    assert calling("none") is None and ToolCalling.for_request(chat_request(), None) is None
+    fields = named.template_fields(chat_request(tools=TOOLS, chat_template_kwargs={"x": 1}))
+    assert fields.chat_template_kwargs["x"] == 1 and [t["function"]["name"] for t in
+                                                      fields.chat_template_kwargs["tools"]] == ["get_weather",
+                                                                                                "get_time"]
+
+
+@pytest.mark.parametrize("tool_choice, parser, message", [
+    (None, None, "--enable-auto-tool-choice --tool-call-parser hermes"),  # auto by default
+    ("auto", None, "--enable-auto-tool-choice"),
+    ({"type": "function", "function": {"name": "nope"}}, "hermes", "'nope', which is not among the tools"),
+])
+def test_tool_choices_refused(tool_choice, parser, message):
+    with pytest.raises(OpenAIError, match=message) as info:
+        calling(tool_choice, parser)
+    assert info.value.status == 400 and info.value.param == "tool_choice"
+
+
+def test_tool_choice_without_tools_is_refused():
+    with pytest.raises(OpenAIError, match="tool_choice needs tools"):
+        ToolCalling.for_request(chat_request(tool_choice="required"), "hermes")
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "text"}}, (None, None)),
+    ({"response_format": {"type": "json_object"}}, (StructuredOutputsParams(json_object=True), "response_format")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}},
+     (StructuredOutputsParams(json=WEATHER), "response_format")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, (StructuredOutputsParams(choice=["a", "b"]),
+                                                      "structured_outputs")),
+    ({"guided_json": json.dumps(WEATHER)}, (StructuredOutputsParams(json=json.dumps(WEATHER)), "guided_json")),
+    ({"guided_grammar": 'root ::= "a"'}, (StructuredOutputsParams(grammar='root ::= "a"'), "guided_grammar")),
+])
+def test_request_fields_map_to_one_constraint(fields, expected):
+    assert CompletionRequest.model_validate({"prompt": "x", **fields}).structured_outputs_params() == expected
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+     "one output constraint, not several: response_format, guided_regex"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
+    ({"guided_json": "{oops"}, "guided_json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+])
+def test_bad_request_fields(fields, param, message):
+    with pytest.raises(OpenAIError, match=message) as info:
+        CompletionRequest.model_validate({"prompt": "x", **fields}).structured_outputs_params()
+    assert info.value.param == param
