@@ -30,13 +30,13 @@ def run(args, caching: bool, params: SamplingParams) -> tuple[list[str], float, 
     llm = LLM(args.model, backend=args.backend, enable_prefix_caching=caching, kv_cache_space=1)
     chats = [[{"role": "system", "content": document(args.bikes)}, {"role": "user", "content": q}] for q in QUESTIONS]
     llm.chat(chats[0], params, use_tqdm=False)  # the first question computes the document's blocks
-    cache = llm.engine.kv_manager.prefix_cache  # None with prefix caching off
-    if cache is not None:
-        cache.reset_counters()
+    before = llm.engine.stats()
     start = time.perf_counter()
     outputs = llm.chat(chats[1:], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    hit_rate = cache.hits / cache.queries if cache is not None and cache.queries else None
+    after = llm.engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / queries if caching and queries else None
     llm.shutdown()
     return [o.text for o in outputs], seconds, hit_rate
 

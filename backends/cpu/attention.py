@@ -163,10 +163,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     nd = md.num_decodes
-    # The kernel writes the decodes' keys and values itself (plain caches), the rest go through a row copy.
-    kernel_writes = bool(nd) and md.kernels is not None and k_cache.kernel_writes
+    # With the C++ kernels, plain caches are written by them: the decodes' rows by the decode kernel (the block read
+    # that follows pays for those cache lines once), the prompt tokens' by one pass; the rest by a torch row copy.
+    kernel_writes = md.kernels is not None and k_cache.kernel_writes
     first = nd if kernel_writes else 0
-    if first < num_tokens:
+    if first < num_tokens and kernel_writes:
+        md.kernels.store_kv_rows(key_cache=k_cache.data, value_cache=v_cache.data, keys=new_keys[first:],
+                                 values=new_values[first:], slots=md.slots[first:])
+    elif first < num_tokens:
         rows = md.slot_rows(num_kv_heads)[first * num_kv_heads:]
         k_cache.write(new_keys[first:], rows)
         v_cache.write(new_values[first:], rows)

@@ -17,6 +17,8 @@ void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tens
                              c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
                              torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
                              int64_t window);
+void store_kv_rows(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor keys, torch::Tensor values,
+                   torch::Tensor slots);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
@@ -33,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),
         py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
+  m.def("store_kv_rows", &store_kv_rows, "tokens' keys and values into their cache slots", py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("keys"), py::arg("values"), py::arg("slots"));
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "residual += h, then Llama-style RMSNorm of the residual",
         py::arg("h"), py::arg("residual"), py::arg("weight"), py::arg("eps"));

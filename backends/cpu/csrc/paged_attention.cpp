@@ -782,3 +782,42 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
       TORCH_CHECK(false, "paged prefill attention: unsupported cache dtype ", key_cache.scalar_type());
   }
 }
+
+// Stores tokens' keys and values [T, kv_heads, head_size] (rows contiguous, any strides above) into float or bfloat16
+// caches at their slots int64 [T]: one pass, where a torch row copy first makes the strided rows contiguous.
+void store_kv_rows(at::Tensor key_cache, at::Tensor value_cache, at::Tensor keys, at::Tensor values, at::Tensor slots) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "store_kv_rows: contiguous caches");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && key_cache.scalar_type() != at::kByte,
+              "store_kv_rows: float or bfloat16 caches");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.stride(2) == 1 && values.stride(2) == 1 &&
+                  keys.scalar_type() == values.scalar_type(),
+              "store_kv_rows: keys and values [T, kv_heads, head_size] with contiguous rows, of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == keys.size(0),
+              "store_kv_rows: one int64 slot per token");
+  const int64_t tokens = keys.size(0), heads = key_cache.size(1), block_size = key_cache.size(2),
+                dim = key_cache.size(3);
+  TORCH_CHECK(keys.size(1) == heads && keys.size(2) == dim, "store_kv_rows: rows do not match the cache");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto run = [&](auto cache_tag, auto src_tag) {
+    using cache_t = decltype(cache_tag);
+    using src_t = decltype(src_tag);
+    cache_t* kc = key_cache.data_ptr<cache_t>();
+    cache_t* vc = value_cache.data_ptr<cache_t>();
+    const src_t* k = keys.data_ptr<src_t>();
+    const src_t* v = values.data_ptr<src_t>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t row = ((slot[t] / block_size) * heads + h) * block_size + slot[t] % block_size;
+          store_row(kc + row * dim, k + t * keys.stride(0) + h * keys.stride(1), dim);
+          store_row(vc + row * dim, v + t * values.stride(0) + h * values.stride(1), dim);
+        }
+    });
+  };
+  const bool float_cache = key_cache.scalar_type() == at::kFloat, float_src = keys.scalar_type() == at::kFloat;
+  TORCH_CHECK(float_src || keys.scalar_type() == at::kBFloat16, "store_kv_rows: float or bfloat16 rows");
+  if (float_cache)
+    float_src ? run(float{}, float{}) : run(float{}, at::BFloat16{});
+  else
+    float_src ? run(at::BFloat16{}, float{}) : run(at::BFloat16{}, at::BFloat16{});
+}

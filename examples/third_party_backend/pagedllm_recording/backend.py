@@ -44,6 +44,14 @@ class _WrappedClassAttributes(abc.ABCMeta):
     def env_vars(cls) -> dict[str, tuple[str, ...]]:
         return inner_backend_class().env_vars
 
+    @property
+    def settings(cls) -> tuple:
+        # Listing every backend's flags must not fail when the wrapped one cannot be found; then it has none.
+        try:
+            return inner_backend_class().settings
+        except Exception:
+            return ()
+
 
 class RecordingBackend(Backend, metaclass=_WrappedClassAttributes):
     name = "recording"
@@ -110,7 +118,7 @@ class RecordingBackend(Backend, metaclass=_WrappedClassAttributes):
         self._write({
             "event": "step", "step": self._steps, "time": wall, "seconds": round(seconds, 6),
             "num_seqs": batch.num_seqs, "num_tokens": batch.num_tokens, "num_decodes": batch.num_decodes,
-            "query_lens": batch.query_lens.tolist(), "num_computed": batch.num_computed.tolist(),
+            "query_lens": np.diff(batch.query_start_loc).tolist(), "num_computed": batch.num_computed.tolist(),
             "seq_lens": batch.seq_lens.tolist(),
             "block_table": [row[:n].tolist() for row, n in zip(batch.block_table, blocks)],
             "logits_indices": batch.logits_indices.tolist(), "logits_shape": list(np.shape(logits))})
