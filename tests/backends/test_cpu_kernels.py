@@ -116,19 +116,10 @@ def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, kernels):
     torch.testing.assert_close(contents[1], contents[0], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
-                                          (torch.float32, "u8"), (torch.float32, "bf16")])
-@pytest.mark.parametrize("window", [-1, 20])
-def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
-    """Prompt chunks of several lengths, some behind cached tokens (prefix caching, earlier chunks): every query
-    token sees the keys up to its own position (and within the window), read from the blocks in place."""
-    torch.manual_seed(3)
-    past_lens = [0, 0, 5, 16, 40, 0]
-    q_lens = [1, 37, 3, 16, 21, 70]  # tiles of 16 tokens: whole, partial and single-token ones
-    num_blocks = 64
-    caches = make_caches(cache, num_blocks)
+def check_prefill(kernels, dtype, caches, table, past_lens: list[int], q_lens: list[int], window: int) -> None:
+    """The prefill kernel's output for these chunks equals attention over the gathered keys and values."""
     totals = [p + n for p, n in zip(past_lens, q_lens)]
-    table, width = fill_caches(caches, totals, num_blocks)
+    width = table.shape[1]
     starts = torch.tensor([0] + q_lens).cumsum(0)[:-1]
     q = torch.randn(HKV * GROUPS, sum(q_lens), D).to(dtype).transpose(0, 1)  # [T, Hq, D], as transformers hands it
     keys = caches[0].gather(table.reshape(-1), len(totals), width, torch.float32)
@@ -147,6 +138,34 @@ def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
                                     torch.tensor(past_lens), starts, torch.tensor(q_lens), scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                          (torch.float32, "u8"), (torch.float32, "bf16")])
+@pytest.mark.parametrize("window", [-1, 20])
+def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
+    """Prompt chunks of several lengths, some behind cached tokens (prefix caching, earlier chunks): every query
+    token sees the keys up to its own position (and within the window), read from the blocks in place."""
+    torch.manual_seed(3)
+    past_lens = [0, 0, 5, 16, 40, 0]
+    q_lens = [1, 37, 3, 16, 21, 70]  # tiles of 16 tokens: whole, partial and single-token ones
+    num_blocks = 64
+    caches = make_caches(cache, num_blocks)
+    table, _ = fill_caches(caches, [p + n for p, n in zip(past_lens, q_lens)], num_blocks)
+    check_prefill(kernels, dtype, caches, table, past_lens, q_lens, window)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float32, "u8")])
+def test_prefill_chunks_behind_a_shared_cached_prefix(dtype, cache, kernels):
+    """Chunks whose first 144 tokens are the same cached blocks (a system prompt the prefix cache shares), the rest
+    their own: the bf16 path packs each shared key tile once for all of them, and every chunk still reads its own
+    tokens."""
+    torch.manual_seed(4)
+    past_lens = [144, 130, 190, 0, 200]
+    q_lens = [5, 30, 8, 150, 1]
+    caches = make_caches(cache, 128)
+    table = fill_shared_prefix(caches, 144 // BS, [p + n for p, n in zip(past_lens, q_lens)], 128)
+    check_prefill(kernels, dtype, caches, table, past_lens, q_lens, -1)
 
 
 def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_blocks: int) -> torch.Tensor:

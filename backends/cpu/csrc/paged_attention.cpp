@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <type_traits>
+#include <map>
 #include <vector>
 
 #include "fast_exp.h"
@@ -579,33 +581,56 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
   bf16* out_ptr = out.data_ptr<bf16>();
   const int64_t q_tok_stride = query.stride(0), q_head_stride = query.stride(1);
 
-  // Packed keys [dim / 2][padded][2] (B of Q K^T) and values [padded / 2][dim][2] (B of P V) per (chunk, head).
-  std::vector<int64_t> padded(num_chunks), offset(num_chunks * kv_heads + 1, 0);
+  // Keys and values are packed per key tile of kKeyTile positions: keys [dim / 2][kKeyTile][2] (B of Q K^T), values
+  // [kKeyTile / 2][dim][2] (B of P V), per KV head. A full tile holds whatever its cache rows hold, so chunks that
+  // share cached prefix blocks share its packing: a system prompt is packed once per step, not once per request.
+  std::vector<int64_t> padded(num_chunks), first_tile(num_chunks + 1, 0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     padded[c] = round_up(past[c] + lens[c], kKeyTile);
-    for (int64_t h = 0; h < kv_heads; ++h) offset[c * kv_heads + h + 1] = offset[c * kv_heads + h] + padded[c] * dim;
+    first_tile[c + 1] = first_tile[c] + padded[c] / kKeyTile;
   }
-  std::vector<bf16> packed_k(offset.back()), packed_v(offset.back());
-  const std::vector<uint16_t> zeros(dim, 0);
-  at::parallel_for(0, num_chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const uint16_t*> krow, vrow;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / kv_heads, h = item % kv_heads, n = past[c] + lens[c], np = padded[c];
-      krow.resize(np);
-      vrow.resize(np);
-      for (int64_t t = 0; t < np; ++t) {  // padding rows read zeros: their probabilities are zero too
-        const int64_t row = (table[c * width + t / block_size] * kv_heads + h) * block_size + t % block_size;
-        krow[t] = t < n ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
-        vrow[t] = t < n ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
+  std::vector<int64_t> packed_index(first_tile.back());  // (chunk's tile) -> its packed tile
+  std::vector<std::pair<int64_t, int64_t>> sources;  // packed tile -> (chunk, first position) to read it from
+  std::map<std::vector<int64_t>, int64_t> full_tiles;  // (offset in its first block, block ids) -> packed tile
+  std::vector<int64_t> rows_of;
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t t0 = 0; t0 < padded[c]; t0 += kKeyTile) {
+      int64_t& index = packed_index[first_tile[c] + t0 / kKeyTile];
+      if (t0 + kKeyTile <= past[c] + lens[c]) {
+        rows_of.assign(1, t0 % block_size);
+        for (int64_t b = t0 / block_size; b <= (t0 + kKeyTile - 1) / block_size; ++b)
+          rows_of.push_back(table[c * width + b]);
+        const auto [it, added] = full_tiles.emplace(rows_of, static_cast<int64_t>(sources.size()));
+        index = it->second;
+        if (!added) continue;
+      } else {
+        index = static_cast<int64_t>(sources.size());
       }
-      uint32_t* pk = reinterpret_cast<uint32_t*>(packed_k.data() + offset[item]);  // [dim / 2][np] pairs
+      sources.emplace_back(c, t0);
+    }
+  const int64_t tile_elems = kKeyTile * dim;
+  std::vector<bf16> packed_k(sources.size() * kv_heads * tile_elems), packed_v(packed_k.size());
+  const std::vector<uint16_t> zeros(dim, 0);
+  at::parallel_for(0, static_cast<int64_t>(sources.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* krow[kKeyTile];
+    const uint16_t* vrow[kKeyTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [c, t0] = sources[item / kv_heads];
+      const int64_t h = item % kv_heads, n = past[c] + lens[c];
+      for (int64_t i = 0; i < kKeyTile; ++i) {  // padding rows read zeros: their probabilities are zero too
+        const int64_t t = t0 + i;
+        const int64_t row = (table[c * width + t / block_size] * kv_heads + h) * block_size + t % block_size;
+        krow[i] = t < n ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
+        vrow[i] = t < n ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
+      }
+      uint32_t* pk = reinterpret_cast<uint32_t*>(packed_k.data() + item * tile_elems);
       for (int64_t p = 0; p < dim / 2; ++p)
-        for (int64_t t = 0; t < np; ++t) pk[p * np + t] = reinterpret_cast<const uint32_t*>(krow[t])[p];
-      uint16_t* pv = reinterpret_cast<uint16_t*>(packed_v.data() + offset[item]);  // [np / 2][dim][2]
-      for (int64_t t = 0; t < np; t += 2)
+        for (int64_t i = 0; i < kKeyTile; ++i) pk[p * kKeyTile + i] = reinterpret_cast<const uint32_t*>(krow[i])[p];
+      uint16_t* pv = reinterpret_cast<uint16_t*>(packed_v.data() + item * tile_elems);
+      for (int64_t i = 0; i < kKeyTile; i += 2)
         for (int64_t d = 0; d < dim; ++d) {
-          pv[((t / 2) * dim + d) * 2] = vrow[t][d];
-          pv[((t / 2) * dim + d) * 2 + 1] = vrow[t + 1][d];
+          pv[((i / 2) * dim + d) * 2] = vrow[i][d];
+          pv[((i / 2) * dim + d) * 2 + 1] = vrow[i + 1][d];
         }
     }
   });
@@ -628,17 +653,18 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
       const int64_t head = item % kv_heads, tokens = std::min(kTile, lens[chunk] - tile_start);
       const int64_t rows = tokens * groups;  // row j * groups + g
       const int64_t first_pos = past[chunk] + tile_start, span = round_up(first_pos + tokens, kKeyTile);
-      const int64_t np = padded[chunk];
       for (int64_t j = 0; j < tokens; ++j)
         for (int64_t g = 0; g < groups; ++g) {
-          const bf16* src = q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
+          const bf16* src =
+              q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
           std::copy(src, src + dim, q.data() + (j * groups + g) * dim);
         }
-      const bf16* pk = packed_k.data() + offset[chunk * kv_heads + head];
-      const bf16* pv = packed_v.data() + offset[chunk * kv_heads + head];
+      const auto packed = [&](const std::vector<bf16>& all, int64_t pos) {
+        return all.data() + (packed_index[first_tile[chunk] + pos / kKeyTile] * kv_heads + head) * tile_elems;
+      };
       scores.resize(rows * span);
       for (int64_t n0 = 0; n0 < span; n0 += kKeyTile)
-        at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, np, span, false, q.data(), pk + n0 * 2,
+        at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, span, false, q.data(), packed(packed_k, n0),
                                     scores.data() + n0, true);
       probs.resize(rows * span);
       for (int64_t j = 0; j < tokens; ++j)
@@ -649,7 +675,7 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
         }
       for (int64_t k0 = 0; k0 < span; k0 += kKeyTile)
         at::native::cpublas::brgemm(rows, dim, kKeyTile, span, dim, dim, k0 > 0, probs.data() + k0,
-                                    pv + k0 * dim, acc.data(), true);
+                                    packed(packed_v, k0), acc.data(), true);
       for (int64_t j = 0; j < tokens; ++j)
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t r = j * groups + g;
