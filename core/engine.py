@@ -180,6 +180,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass. Returns an output for every request that made progress; its

@@ -92,7 +92,11 @@ class EngineCore:
             engine.abort_request(command.request_ids)
         elif isinstance(command, StopSequence):
             engine.stop_sequence(command.request_id, command.index)
-        return not isinstance(command, Shutdown)
+        elif isinstance(command, Shutdown):  # the last stats say what it freed
+            engine.abort_request(engine.unfinished_request_ids())
+            self._send_stats_if_changed()
+            return False
+        return True
 
     def _add(self, command: Add) -> Added:
         added: list[str] = []
