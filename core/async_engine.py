@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -344,7 +345,6 @@ class _ProcessCore:
         self.engine = EngineDescription(ready.config, ready.model_info, ready.source)
         front.stats = ready.stats
         self.outputs = OutputProcessor(load_tokenizer(ready.source), frozenset(ready.eos_token_ids))
-        self._tokenizer = load_tokenizer(ready.source)  # for string prompts, on the callers' threads: not shared
         self._add_ids = itertools.count()
         self._pending: dict[int, tuple[_Add, list]] = {}  # add id -> (command, its token ids), until acknowledged
         self._aborted: queue.SimpleQueue = queue.SimpleQueue()
@@ -361,12 +361,18 @@ class _ProcessCore:
         prompts = []
         requests = []
         for request_id, prompt, params in command.requests:
-            text, token_ids = tokenize_prompt(self._tokenizer, prompt)
+            text, token_ids = tokenize_prompt(self._tokenizer if _has_text_only(prompt) else None, prompt)
             prompts.append((text, token_ids))
             requests.append(core_request(request_id, token_ids, params, command.arrival_time))
         add_id = next(self._add_ids)
         self._pending[add_id] = (command, prompts)
         self.process.send(Add(add_id, requests))
+
+    @functools.cached_property
+    def _tokenizer(self):
+        """For prompts given as text (the server sends token ids): a tokenizer of the callers' threads, not shared
+        with the receiving thread's."""
+        return load_tokenizer(self.process.ready.source)
 
     def stop(self, timeout: float | None) -> None:
         """Ask the core to stop; the receiving thread sees it exit, ends what was in flight and cleans up."""
@@ -423,6 +429,10 @@ class _ProcessCore:
         self._pending.clear()
         self.front._die(error, pending, expected=self._stopping)
         self.process.shutdown(timeout=10.0)
+
+
+def _has_text_only(prompt: PromptType) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ class EngineCore:
             outputs = engine.step()
             now = time.time()
             stats = engine.stats()
-            self.output.send(self.encode(Step(now, [_delta(o) for o in outputs], stats)), copy=False)
+            self.output.send(self.encode(Step(now, [request_delta(o) for o in outputs], stats)), copy=False)
             self.last_stats = stats
             self.stats_log.observe(stats, time.monotonic())
 
@@ -117,7 +117,7 @@ class EngineCore:
             self.last_stats = stats
 
 
-def _delta(output: RequestOutput) -> RequestDelta:
+def request_delta(output: RequestOutput) -> RequestDelta:
     sequences = []
     for c in output.outputs:
         sequences.append(SequenceDelta(c.index, c.delta_token_ids[-1], c.delta_logprobs[-1] if c.delta_logprobs
