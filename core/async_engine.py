@@ -174,9 +174,10 @@ class AsyncLLMEngine:
             self._core.submit(command)
 
     # -- the receiving thread ---------------------------------------------------------------------
-    def _accept(self, command: "_Add") -> None:
+    def _accept(self, command: "_Add", aborted: set[str] = frozenset()) -> None:
         for request_id, _, _ in command.requests:
-            self._routes[request_id] = _Route(command.loop, command.queue)
+            if request_id not in aborted:
+                self._routes[request_id] = _Route(command.loop, command.queue)
         _resolve(command.loop, command.done, None)
 
     def _publish_step(self, outputs: list[RequestOutput], now: float, stats: EngineStats) -> None:
@@ -347,7 +348,8 @@ class _ProcessCore:
         self.outputs = OutputProcessor(load_tokenizer(ready.source), frozenset(ready.eos_token_ids))
         self._add_ids = itertools.count()
         self._pending: dict[int, tuple[_Add, list]] = {}  # add id -> (command, its token ids), until acknowledged
-        self._aborted: queue.SimpleQueue = queue.SimpleQueue()
+        self._aborted: queue.SimpleQueue = queue.SimpleQueue()  # request ids, from the callers' threads
+        self._aborted_early: set[str] = set()  # aborted before the core acknowledged their add
         self._stopping = False
         self._thread = threading.Thread(target=self._receive, name="pagedllm-front-end", daemon=True)
         self._thread.start()
@@ -390,11 +392,7 @@ class _ProcessCore:
         process, outputs = self.process, self.outputs
         while True:
             message = process.receive()
-            while not self._aborted.empty():
-                request_ids = self._aborted.get()
-                outputs.abort(request_ids)
-                for request_id in request_ids:
-                    self.front._routes.pop(request_id, None)
+            self._drop_aborted()
             if isinstance(message, Step):
                 results, stops = outputs.process(message.outputs, message.time)
                 for request_id, index in stops:
@@ -406,14 +404,28 @@ class _ProcessCore:
                 self._die(message)
                 return
 
+    def _drop_aborted(self) -> None:
+        """Forget aborted requests; those whose add the core has not acknowledged yet are kept from registering."""
+        while not self._aborted.empty():
+            request_ids = self._aborted.get()
+            self.outputs.abort(request_ids)
+            for request_id in request_ids:
+                self.front._routes.pop(request_id, None)
+            pending = {request_id for command, _ in self._pending.values() for request_id, _, _ in command.requests}
+            self._aborted_early.update(pending.intersection(request_ids))
+
     def _added(self, message: Added) -> None:
+        self._drop_aborted()  # while the add is still pending
         command, prompts = self._pending.pop(message.add_id)
+        aborted = {request_id for request_id, _, _ in command.requests} & self._aborted_early
+        self._aborted_early -= aborted
         if message.error_type is not None:
             _resolve(command.loop, command.done, core_error(message.error_type, message.message, message.param))
             return
         for (request_id, _, params), (text, token_ids) in zip(command.requests, prompts):
-            self.outputs.add(request_id, text, token_ids, params, command.arrival_time)
-        self.front._accept(command)
+            if request_id not in aborted:
+                self.outputs.add(request_id, text, token_ids, params, command.arrival_time)
+        self.front._accept(command, aborted)
 
     def _die(self, message) -> None:
         if self._stopping:

@@ -130,3 +130,18 @@ def test_shutdown_ends_streams_in_flight_and_refuses_new_requests(engine_args, e
 
     asyncio.run(run())
     assert engine.dead is not None and engine.stats.kv_cache_usage == 0
+
+
+def test_a_request_aborted_before_its_add_is_acknowledged_is_forgotten(engine):
+    async def run():
+        adding = asyncio.ensure_future(engine.add([("early", "Paris", SamplingParams(max_tokens=200,
+                                                                                    ignore_eos=True))]))
+        await asyncio.sleep(0)  # the add is submitted, its acknowledgement not yet received
+        adding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adding
+        await wait_until(lambda: engine.stats.num_running == 0 and engine.stats.kv_cache_usage == 0)
+        return await collect_one(engine, "after-early")
+
+    assert asyncio.run(run())["after-early"][-1].finished
+    assert "early" not in engine._routes
