@@ -95,10 +95,9 @@ class EngineCoreProcess:
             except zmq.Again:
                 logger.debug("the engine core process is gone; %s not sent", type(message).__name__)
 
-    def receive(self, timeout_ms: int | None = None):
-        """The next message, None after ``timeout_ms`` without one, or ``CoreExited`` once the process is gone."""
-        wait = _POLL_MS if self._pidfd is None and (timeout_ms is None or timeout_ms > _POLL_MS) else timeout_ms
-        waited = 0
+    def receive(self):
+        """The next message, or ``CoreExited`` once the process is gone and all it sent has been read."""
+        wait = None if self._pidfd is not None else _POLL_MS
         while True:
             events = dict(self._poller.poll(wait))
             if self._output in events:
@@ -107,9 +106,6 @@ class EngineCoreProcess:
                 if self._output.poll(0):  # sent before it exited
                     continue
                 return CoreExited(self.proc.wait())
-            waited += wait or 0
-            if timeout_ms is not None and waited >= timeout_ms:
-                return None
 
     def shutdown(self, timeout: float | None = 60.0) -> int | None:
         """Ask the core to stop and wait for it (killed after ``timeout``); the process's exit code."""
