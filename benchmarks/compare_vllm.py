@@ -1,7 +1,11 @@
 """pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI and plain transformers ``generate``, same token ids, one run.
 
 W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
-tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. Each case runs in a process of
+tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. W3 is served: 32 streamed
+completions of 256 prompt tokens -> 64 tokens at seeded Poisson arrivals (all within 8 s), sent by ``pagedllm bench
+serve`` to ``pagedllm serve`` (engine core in its own process), to ``pagedllm serve --no-engine-process``
+(``pagedllm-thread``, the engine on a thread of the server) and to ``vllm serve``; it reports TTFT, TPOT and
+inter-token latency p50/p99 (serving_case.py). Each case runs in a process of
 its own (so start-up is measured from cold), the engines alternating within each round; the summary takes the
 median over rounds and prints the ratios of each pagedllm backend to its peers: the cpu backend (``pagedllm``)
 to vLLM CPU and transformers, the openvino backend (``pagedllm-openvino``) to OpenVINO GenAI's continuous batching
@@ -15,6 +19,7 @@ cannot be set up or run here, the harness says why and runs the others.
     python benchmarks/compare_vllm.py                 # W1 and W2, one round: pagedllm, vLLM, transformers
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
     python benchmarks/compare_vllm.py --engines pagedllm-openvino,openvino-genai   # the openvino backend's bar
+    python benchmarks/compare_vllm.py --workloads W3 --engines pagedllm,pagedllm-thread,vllm --runs 3   # serving
     python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
     python benchmarks/compare_vllm.py --model-shape llama-1b   # a Llama-3.2-1B-shaped model with random weights
     python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
@@ -37,6 +42,7 @@ from pathlib import Path
 
 import model_shapes
 import openvino_genai_offline
+import serving_case
 import vllm_cpu_env
 
 HERE = Path(__file__).resolve().parent
@@ -46,16 +52,24 @@ OV_KV_TYPES = {"fp16": "f16", "u8": "u8", "fp32": "f32", "bf16": "bf16"}  # --kv
 KV_CACHE_SPACE = "4"
 
 # name -> (num_prompts, input_len, output_len, prefix_len)
-WORKLOADS = {"W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512)}
-SMOKE_WORKLOADS = {"W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128)}
+WORKLOADS = {"W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512), "W3": (32, 256, 64, 0)}
+SMOKE_WORKLOADS = {"W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128), "W3": (8, 64, 16, 0)}
+SERVED = {"W3"}  # workloads sent to a server; the others run offline
+SERVE_RATE, SERVE_SEED = 3.5, 2  # requests/s and arrival seed: the 32 arrivals of W3 fall within 8 s
+SERVE_MAX_MODEL_LEN = 2048
+SMOKE_MAX_MODEL_LEN = 256  # tiny test models allow less
+SERVERS = ("pagedllm", "pagedllm-thread", "vllm")  # engines with a server
+# serving metrics in the summary: (key in the flattened result, label)
+SERVE_METRICS = tuple((f"{m}_{p}", f"{label} {p} ms") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"),
+                                                                          ("itl", "ITL")) for p in ("p50", "p99"))
 
-ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai")
+ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai", "pagedllm-thread")
 DEFAULT_ENGINES = "pagedllm,vllm,transformers"
 TITLES = {"pagedllm": "pagedllm", "vllm": "vLLM CPU", "transformers": "transformers",
-          "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI"}
+          "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI", "pagedllm-thread": "pagedllm-thread"}
 # (ours, peer): the ratios the summary prints when both ran
 PAIRS = (("pagedllm", "vllm"), ("pagedllm", "transformers"), ("pagedllm-openvino", "openvino-genai"),
-         ("pagedllm-openvino", "vllm"))
+         ("pagedllm-openvino", "vllm"), ("pagedllm", "pagedllm-thread"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +90,11 @@ class Case:
 
 
 def cases_for(workload: str, engines: list[str]) -> list[Case]:
-    """W1 without prefix caching (random prompts share nothing); W2 with and without, on each engine."""
+    """W1 without prefix caching (random prompts share nothing); W2 with and without, on each engine; W3 on each
+    engine with a server. pagedllm-thread runs only W3."""
+    if workload in SERVED:
+        return [Case(workload, engine, False) for engine in engines if engine in SERVERS]
+    engines = [e for e in engines if e != "pagedllm-thread"]
     modes = [False] if WORKLOADS[workload][3] == 0 else [True, False]
     out = []
     for engine in engines:
@@ -164,6 +182,9 @@ class Harness:
     def run(self, case: Case, workload_path: Path, round_index: int) -> None:
         if case.engine in self.unavailable:
             return
+        if case.workload in SERVED:
+            self.serve(case, workload_path, round_index)
+            return
         out = self.work_dir / f"{case.slug}-run{round_index}.json"
         log_path = out.with_suffix(".log")
         cmd, env = self.command(case, workload_path, out)
@@ -195,6 +216,37 @@ class Harness:
             raise SystemExit(f"pagedllm failed on {case.label}:\n{reason}\n(log: {log_path})")
 
 
+    def serve(self, case: Case, workload_path: Path, round_index: int) -> None:
+        out = self.work_dir / f"{case.slug}-run{round_index}.json"
+        port = serving_case.free_port()
+        dtype = resolved_dtype(self.dtype)
+        if case.engine == "vllm":
+            env, python = self.vllm_env(), vllm_cpu_env.venv_python(self.venv)
+        else:
+            env, python = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND,
+                               VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE), None
+        max_model_len = SMOKE_MAX_MODEL_LEN if self.args.smoke else SERVE_MAX_MODEL_LEN
+        cmd = serving_case.server_command(case.engine, self.hf_dir, dtype, max_model_len, port, python,
+                                          shlex.split(self.args.pagedllm_args) if case.engine != "vllm" else [])
+        print(f"[round {round_index}] {case.label} ... ", end="", flush=True)
+        try:
+            result = serving_case.run_serving_case(cmd, env, port, workload_path, SERVE_RATE, SERVE_SEED, out,
+                                                   out.with_suffix(".log"), self.args.timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            self.failures[case] = str(exc)
+            print(f"FAILED: {str(exc).splitlines()[0]} (log: {out.with_suffix('.log')})", flush=True)
+            if case.engine == "vllm":
+                self.unavailable["vllm"] = f"its server failed: {exc}"
+                return
+            raise SystemExit(f"pagedllm failed on {case.label}:\n{exc}")
+        for key in ("ttft", "tpot", "itl"):
+            for p in ("p50", "p99"):
+                result[f"{key}_{p}"] = result[f"{key}_ms"][p]
+        self.results.setdefault(case, []).append(result)
+        print(f"TTFT p50 {result['ttft_p50']:.0f} ms, TPOT p50 {result['tpot_p50']:.1f} ms, ITL p50 "
+              f"{result['itl_p50']:.1f} ms, {result['output_throughput']:.1f} output tok/s", flush=True)
+
+
 # -- summary --------------------------------------------------------------------------------------------------
 def _median(results: list[dict] | None, key: str) -> float | None:
     values = [r[key] for r in results or [] if r.get(key) is not None]
@@ -218,6 +270,12 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
     pairs = [(a, b) for a, b in PAIRS if a in engines and b in engines]
     rows = []
     for workload in workloads:
+        if workload in SERVED:
+            for key, label in (*SERVE_METRICS, ("output_throughput", "output tok/s")):
+                rows.append({"metric": f"{workload} {label}", "format": ".1f",
+                             "lower_is_better": key != "output_throughput",
+                             **{e: med(workload, e, False, key) for e in engines}})
+            continue
         key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
         unit = "output tok/s" if workload == "W1" else "req/s"
         for caching in ([False] if workload == "W1" else [True, False]):
@@ -229,12 +287,12 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
                      **{e: med(workload, e, workload == "W2", "startup_seconds") for e in engines}})
 
     print("\n" + "=" * 110)
-    print(f"{'':38}" + "".join(f"{TITLES[e]:>13}" for e in engines)
-          + "".join(f"{TITLES[a] + '/' + TITLES[b]:>24}" for a, b in pairs))
+    print(f"{'':38}" + "".join(f"{TITLES[e]:>16}" for e in engines)
+          + "".join(f"{TITLES[a] + '/' + TITLES[b]:>27}" for a, b in pairs))
     for row in rows:
         better = not row.get("lower_is_better")
-        print(f"{row['metric']:<38}" + "".join(f"{_fmt(row[e], row['format']):>13}" for e in engines)
-              + "".join(f"{_ratio(row[a], row[b], better):>24}" for a, b in pairs))
+        print(f"{row['metric']:<38}" + "".join(f"{_fmt(row[e], row['format']):>16}" for e in engines)
+              + "".join(f"{_ratio(row[a], row[b], better):>27}" for a, b in pairs))
     notes = []
     if "W2" in workloads:
         for engine in engines:
@@ -244,8 +302,8 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
             if on is not None and off is not None and engine != "transformers":
                 notes.append(f"W2 {TITLES[engine]}: prefix caching on/off {_ratio(on, off)}"
                              + ("" if hit is None else f", hit rate {100 * hit:.1f}%"))
-    for workload in workloads:
-        for engine in (e for e in engines if e.startswith("pagedllm")):
+    for workload in (w for w in workloads if w not in SERVED):
+        for engine in (e for e in engines if e.startswith("pagedllm") and e != "pagedllm-thread"):
             waste = med(workload, engine, workload == "W2", "kv_waste_at_peak")
             blocks = med(workload, engine, workload == "W2", "peak_kv_blocks")
             preempt = med(workload, engine, workload == "W2", "num_preemptions")
@@ -255,7 +313,8 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
     notes.extend(_token_agreement(h, workloads, pairs))
     for note in notes:
         print(note)
-    print("ratios say how many times better the first engine is: throughput first/second, start-up second/first")
+    print("ratios say how many times better the first engine is: throughput first/second, start-up and latencies "
+          "second/first")
     rounds = max((len(v) for v in h.results.values()), default=0)
     print(f"dtype {h.dtype}; median of {rounds} round(s); VLLM_CPU_OMP_THREADS_BIND={THREADS_BIND}, "
           f"KV cache {KV_CACHE_SPACE} GiB" + (f"; openvino KV cache {h.args.openvino_kv_cache} for pagedllm-ov and "
@@ -273,7 +332,7 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
 def _token_agreement(h: Harness, workloads: list[str], pairs: list[tuple[str, str]]) -> list[str]:
     """Whether the paired engines' greedy output for the first request starts with the same tokens (same work)."""
     lines = []
-    for workload in workloads:
+    for workload in (w for w in workloads if w not in SERVED):
         for a, b in pairs:
             if b == "transformers":
                 continue

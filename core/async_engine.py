@@ -1,9 +1,11 @@
-"""An asyncio front to the synchronous ``LLMEngine``, whose step loop runs on a thread of its own.
+"""An asyncio front to the synchronous ``LLMEngine``: its step loop runs on a thread of its own, or in an engine-core
+process of its own (``engine_process=True``, what ``pagedllm serve`` uses).
 
-The engine is not thread-safe, so every engine call (construction, add, abort, step, shutdown) happens on that one
-thread. Callers on an event loop hand adds and aborts over through a thread-safe queue; the thread applies them
-between steps and sends outputs back through per-caller asyncio queues with ``call_soon_threadsafe``. HTTP work
-therefore never stalls a step and a step never blocks the event loop. With no work the thread sleeps on an event.
+The engine is not thread-safe, so every engine call happens on one thread. Callers on an event loop hand adds and
+aborts over (through a queue to the engine thread, or over ZMQ to the core process); outputs come back through
+per-caller asyncio queues with ``call_soon_threadsafe``, so one engine serves several event loops. A step never
+blocks the event loop. In a thread, HTTP work and steps share this process's GIL; with a core process they do not,
+and the text of each output (detokenizing, stop strings) is made here, by the thread that receives the core's steps.
 """
 
 from __future__ import annotations
@@ -11,14 +13,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
+import itertools
 import logging
 import queue
 import threading
 import time
 from typing import Callable, Sequence
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.backend import ModelInfo
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.core_client import EngineCoreProcess, core_error, core_request
+from pagedllm.core_messages import Abort, Add, Added, Dead, Shutdown, Step, StopSequence
+from pagedllm.engine import LLMEngine, PromptType, tokenize_prompt
+from pagedllm.model_source import ModelSource, load_tokenizer
+from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stats import EngineStats, StatsLogger
@@ -109,28 +118,25 @@ class _Stop:
 
 
 class AsyncLLMEngine:
-    """Builds an ``LLMEngine`` on its own thread and serves it to asyncio callers.
+    """Serves an engine to asyncio callers: built on a thread of its own (default), or in an engine-core process
+    (``engine_process=True``: scheduler and model in another process, detokenizing and stop strings here).
 
     ``engine`` may be read from other threads only for what is fixed once it is built (``config``, ``model_info``,
-    ``source``); live counters are in ``stats``. ``on_step``, if set, is called on the engine thread with the
-    step's ``StepLatencies``; it must be thread-safe and quick.
+    ``source``); live counters are in ``stats``. ``on_step``, if set, is called on the thread that receives steps
+    with the step's ``StepLatencies``; it must be thread-safe and quick. ``on_dead``, if set, is called once, on that
+    thread, if the engine dies other than by ``shutdown``.
     """
 
     def __init__(self, args: EngineArgs | None = None,
-                 on_step: Callable[[StepLatencies], None] | None = None) -> None:
+                 on_step: Callable[[StepLatencies], None] | None = None, engine_process: bool = False) -> None:
         self.on_step = on_step
-        self.stats = EngineStats()  # the engine's latest snapshot, taken on its thread after each step
-        self._stats_log = StatsLogger(logger)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._lock = threading.Lock()  # orders _submit against the thread's death
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
+        self.stats = EngineStats()  # the engine's latest snapshot, as of its latest step
+        self._lock = threading.Lock()  # orders submissions against the engine's death
         self._dead: EngineDeadError | None = None
-        self._routes: dict[str, _Route] = {}
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(args or EngineArgs(), ready),
-                                        name="pagedllm-engine", daemon=True)
-        self._thread.start()
-        self.engine: LLMEngine = ready.result()  # re-raises what the construction raised
+        self._routes: dict[str, _Route] = {}  # the receiving thread's only
+        self._core = (_ProcessCore if engine_process else _ThreadCore)(args or EngineArgs(), self)
+        self.engine = self._core.engine  # an LLMEngine, or for a core process what is fixed of it
 
     # -- the event-loop side --------------------------------------------------------------------
     async def add(self, requests: Sequence[RequestSpec], arrival_time: float | None = None) -> OutputStream:
@@ -158,80 +164,27 @@ class AsyncLLMEngine:
         return self._dead
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Abort what is in flight, shut the backend down and end the thread."""
-        if self._thread.is_alive():
-            with self._lock:
-                self._commands.put(_Stop())
-                self._wake.set()
-            self._thread.join(timeout)
+        """Abort what is in flight, shut the engine down and end its thread (and process)."""
+        self._core.stop(timeout)
 
     def _submit(self, command) -> None:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            self._commands.put(command)
-            self._wake.set()
+            self._core.submit(command)
 
-    # -- the engine thread ----------------------------------------------------------------------
-    def _run(self, args: EngineArgs, ready: concurrent.futures.Future) -> None:
-        try:
-            engine = LLMEngine.from_engine_args(args, serving=True)  # backends may leave a core to the event loop
-        except BaseException as exc:
-            ready.set_exception(exc)
-            return
-        ready.set_result(engine)
-        try:
-            self._loop(engine)
-        except Exception as exc:
-            logger.exception("the engine failed; no further request can be served")
-            self._die(engine, EngineDeadError(f"the engine failed: {exc!r}"))
-        finally:
-            engine.shutdown()
-
-    def _loop(self, engine: LLMEngine) -> None:
-        while True:
-            self._wake.clear()  # before draining: a command queued after this point sets it again
-            if not self._apply_commands(engine):
-                return
-            if not engine.has_unfinished_requests():
-                self._publish(engine)
-                self._wake.wait()
-                continue
-            deliveries = self._route(engine.step(), time.time())
-            self._publish(engine)  # counters first: a client that has its output sees them updated
-            for loop, items in deliveries.items():
-                _call_soon(loop, _deliver, items)
-
-    def _apply_commands(self, engine: LLMEngine) -> bool:
-        """Apply queued adds and aborts; False once asked to stop."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if isinstance(command, _Add):
-                self._add(engine, command)
-            elif isinstance(command, _Abort):
-                engine.abort_request(command.request_ids)
-                for request_id in command.request_ids:
-                    self._routes.pop(request_id, None)
-            else:
-                self._die(engine, EngineDeadError("the engine was shut down"))
-                return False
-
-    def _add(self, engine: LLMEngine, command: _Add) -> None:
-        added: list[str] = []
-        try:
-            for request_id, prompt, params in command.requests:
-                engine.add_request(request_id, prompt, params, arrival_time=command.arrival_time)
-                added.append(request_id)
-        except Exception as exc:
-            engine.abort_request(added)
-            _resolve(command.loop, command.done, exc)
-            return
-        for request_id in added:
-            self._routes[request_id] = _Route(command.loop, command.queue)
+    # -- the receiving thread ---------------------------------------------------------------------
+    def _accept(self, command: "_Add", aborted: set[str] = frozenset()) -> None:
+        for request_id, _, _ in command.requests:
+            if request_id not in aborted:
+                self._routes[request_id] = _Route(command.loop, command.queue)
         _resolve(command.loop, command.done, None)
+
+    def _publish_step(self, outputs: list[RequestOutput], now: float, stats: EngineStats) -> None:
+        deliveries = self._route(outputs, now)
+        self.stats = stats  # counters first: a client that has its output sees them updated
+        for loop, items in deliveries.items():
+            _call_soon(loop, _deliver, items)
 
     def _route(self, outputs: list[RequestOutput], now: float) -> dict[asyncio.AbstractEventLoop, list]:
         """Group outputs by the event loop that waits for them, and hand the step's latencies to ``on_step``."""
@@ -251,37 +204,256 @@ class AsyncLLMEngine:
             if output.finished:
                 latencies.finished.append(output)
                 del self._routes[output.request_id]
-        if self.on_step is not None:
+        if self.on_step is not None and outputs:
             try:
                 self.on_step(latencies)
             except Exception:
                 logger.exception("on_step failed; the step's outputs are delivered all the same")
         return deliveries
 
-    def _publish(self, engine: LLMEngine) -> None:
-        self.stats = engine.stats()
-        self._stats_log.observe(self.stats, time.monotonic())
-
-    def _die(self, engine: LLMEngine, error: EngineDeadError) -> None:
-        """End every request and pending add with ``error``; later submissions raise it."""
+    def _die(self, error: EngineDeadError, pending: list["_Add"], expected: bool) -> list[str]:
+        """End every request and pending add with ``error``; later submissions raise it. Returns the ids that were
+        in flight. ``expected``: by ``shutdown`` (``on_dead`` is not called)."""
         with self._lock:
             self._dead = error
+        for command in pending:
+            _resolve(command.loop, command.done, error)
+        request_ids = list(self._routes)
+        for route in self._routes.values():
+            _call_soon(route.loop, _deliver, [(route.queue, error)])
+        self._routes.clear()
+        if not expected and self.on_dead is not None:
+            try:
+                self.on_dead(error)
+            except Exception:
+                logger.exception("on_dead failed")
+        return request_ids
+
+
+class _ThreadCore:
+    """The engine on a thread of this process: commands through a queue, applied between steps."""
+
+    def __init__(self, args: EngineArgs, front: AsyncLLMEngine) -> None:
+        self.front = front
+        self._stats_log = StatsLogger(logger)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(args, ready), name="pagedllm-engine", daemon=True)
+        self._thread.start()
+        self.engine: LLMEngine = ready.result()  # re-raises what the construction raised
+
+    def submit(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def stop(self, timeout: float | None) -> None:
+        if self._thread.is_alive():
+            with self.front._lock:
+                self.submit(_Stop())
+            self._thread.join(timeout)
+
+    def _run(self, args: EngineArgs, ready: concurrent.futures.Future) -> None:
+        try:
+            engine = LLMEngine.from_engine_args(args, serving=True)  # backends may leave a core to the event loop
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(engine)
+        try:
+            self._loop(engine)
+        except Exception as exc:
+            logger.exception("the engine failed; no further request can be served")
+            self._die(engine, EngineDeadError(f"the engine failed: {exc!r}"), expected=False)
+        finally:
+            engine.shutdown()
+
+    def _loop(self, engine: LLMEngine) -> None:
+        while True:
+            self._wake.clear()  # before draining: a command queued after this point sets it again
+            if not self._apply_commands(engine):
+                return
+            if not engine.has_unfinished_requests():
+                self._publish(engine)
+                self._wake.wait()
+                continue
+            outputs = engine.step()
+            self.front._publish_step(outputs, time.time(), engine.stats())
+            self._stats_log.observe(self.front.stats, time.monotonic())
+
+    def _apply_commands(self, engine: LLMEngine) -> bool:
+        """Apply queued adds and aborts; False once asked to stop."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if isinstance(command, _Add):
+                self._add(engine, command)
+            elif isinstance(command, _Abort):
+                engine.abort_request(command.request_ids)
+                for request_id in command.request_ids:
+                    self.front._routes.pop(request_id, None)
+            else:
+                self._die(engine, EngineDeadError("the engine was shut down"), expected=True)
+                return False
+
+    def _add(self, engine: LLMEngine, command: _Add) -> None:
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in command.requests:
+                engine.add_request(request_id, prompt, params, arrival_time=command.arrival_time)
+                added.append(request_id)
+        except Exception as exc:
+            engine.abort_request(added)
+            _resolve(command.loop, command.done, exc)
+            return
+        self.front._accept(command)
+
+    def _publish(self, engine: LLMEngine) -> None:
+        self.front.stats = engine.stats()
+        self._stats_log.observe(self.front.stats, time.monotonic())
+
+    def _die(self, engine: LLMEngine, error: EngineDeadError, expected: bool) -> None:
+        with self.front._lock:  # nothing is queued behind the adds collected here
+            self.front._dead = error
+        pending = []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Add):
-                _resolve(command.loop, command.done, error)
-        request_ids = list(self._routes)
-        for route in self._routes.values():
-            _call_soon(route.loop, _deliver, [(route.queue, error)])
-        self._routes.clear()
+                pending.append(command)
+        request_ids = self.front._die(error, pending, expected)
         try:  # after a failed step the engine may be broken: the callers above are told first
             engine.abort_request(request_ids)
             self._publish(engine)
         except Exception:
             logger.exception("could not abort the requests in flight")
+
+
+class _ProcessCore:
+    """The engine in an engine-core process. Commands are sent as they come (from any thread); a thread of this
+    process receives the core's messages, detokenizes and checks stop strings (``OutputProcessor``) and routes the
+    outputs. Local state (routes, the processor) is that thread's only: aborts reach it through a queue."""
+
+    def __init__(self, args: EngineArgs, front: AsyncLLMEngine) -> None:
+        self.front = front
+        self.process = EngineCoreProcess(args)
+        self.process.place_front_end()
+        ready = self.process.ready
+        self.engine = EngineDescription(ready.config, ready.model_info, ready.source)
+        front.stats = ready.stats
+        self.outputs = OutputProcessor(load_tokenizer(ready.source), frozenset(ready.eos_token_ids))
+        self._add_ids = itertools.count()
+        self._pending: dict[int, tuple[_Add, list]] = {}  # add id -> (command, its token ids), until acknowledged
+        self._aborted: queue.SimpleQueue = queue.SimpleQueue()  # request ids, from the callers' threads
+        self._aborted_early: set[str] = set()  # aborted before the core acknowledged their add
+        self._stopping = False
+        self._thread = threading.Thread(target=self._receive, name="pagedllm-front-end", daemon=True)
+        self._thread.start()
+
+    def submit(self, command) -> None:
+        """Called under the front's lock, which orders it against ``_die``."""
+        if isinstance(command, _Abort):
+            self._aborted.put(command.request_ids)
+            self.process.send(Abort(command.request_ids))
+            return
+        prompts = []
+        requests = []
+        for request_id, prompt, params in command.requests:
+            text, token_ids = tokenize_prompt(self._tokenizer if _has_text_only(prompt) else None, prompt)
+            prompts.append((text, token_ids))
+            requests.append(core_request(request_id, token_ids, params, command.arrival_time))
+        add_id = next(self._add_ids)
+        self._pending[add_id] = (command, prompts)
+        self.process.send(Add(add_id, requests))
+
+    @functools.cached_property
+    def _tokenizer(self):
+        """For prompts given as text (the server sends token ids): a tokenizer of the callers' threads, not shared
+        with the receiving thread's."""
+        return load_tokenizer(self.process.ready.source)
+
+    def stop(self, timeout: float | None) -> None:
+        """Ask the core to stop; the receiving thread sees it exit, ends what was in flight and cleans up."""
+        with self.front._lock:
+            self._stopping = True
+            if self.front._dead is None:
+                self.process.send(Shutdown())
+        self._thread.join(60.0 if timeout is None else timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine core process did not stop; killing it")
+            self.process.proc.kill()
+            self._thread.join()
+
+    def _receive(self) -> None:
+        process, outputs = self.process, self.outputs
+        while True:
+            message = process.receive()
+            self._drop_aborted()
+            if isinstance(message, Step):
+                results, stops = outputs.process(message.outputs, message.time)
+                for request_id, index in stops:
+                    process.send(StopSequence(request_id, index))
+                self.front._publish_step(results, message.time, message.stats)
+            elif isinstance(message, Added):
+                self._added(message)
+            else:
+                self._die(message)
+                return
+
+    def _drop_aborted(self) -> None:
+        """Forget aborted requests; those whose add the core has not acknowledged yet are kept from registering."""
+        while not self._aborted.empty():
+            request_ids = self._aborted.get()
+            self.outputs.abort(request_ids)
+            for request_id in request_ids:
+                self.front._routes.pop(request_id, None)
+            pending = {request_id for command, _ in self._pending.values() for request_id, _, _ in command.requests}
+            self._aborted_early.update(pending.intersection(request_ids))
+
+    def _added(self, message: Added) -> None:
+        self._drop_aborted()  # while the add is still pending
+        command, prompts = self._pending.pop(message.add_id)
+        aborted = {request_id for request_id, _, _ in command.requests} & self._aborted_early
+        self._aborted_early -= aborted
+        if message.error_type is not None:
+            _resolve(command.loop, command.done, core_error(message.error_type, message.message, message.param))
+            return
+        for (request_id, _, params), (text, token_ids) in zip(command.requests, prompts):
+            if request_id not in aborted:
+                self.outputs.add(request_id, text, token_ids, params, command.arrival_time)
+        self.front._accept(command, aborted)
+
+    def _die(self, message) -> None:
+        if self._stopping:
+            error = EngineDeadError("the engine was shut down")
+        elif isinstance(message, Dead):
+            error = EngineDeadError(message.message)
+        else:
+            error = EngineDeadError(f"the engine core process exited unexpectedly (exit code {message.returncode})")
+            logger.error("%s; no further request can be served", error)
+        with self.front._lock:
+            self.front._dead = error
+        pending = [command for command, _ in self._pending.values()]
+        self._pending.clear()
+        self.front._die(error, pending, expected=self._stopping)
+        self.process.shutdown(timeout=10.0)
+
+
+def _has_text_only(prompt: PromptType) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineDescription:
+    """What the server reads of an engine that runs in another process."""
+
+    config: EngineConfig
+    model_info: ModelInfo
+    source: ModelSource
 
 
 def _deliver(items) -> None:

@@ -86,6 +86,10 @@ class Backend(abc.ABC):
         """One line for the start-up log: what was chosen (dtype, threads, kernels)."""
         return ""
 
+    def bound_cpus(self) -> list[int] | None:
+        """The CPUs the backend's threads are pinned to, if it pins them: a server's front end keeps off them."""
+        return None
+
     def release_thread(self) -> None:
         """The thread that ran steps stops doing so for now (``LLM.generate`` returns to its caller): undo what
         was set on that thread for speed, such as pinning it to one CPU. The next ``execute`` may set it again."""

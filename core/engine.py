@@ -102,16 +102,7 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
-                                  param="prompt")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
@@ -169,11 +160,28 @@ class LLMEngine:
                 for request in group.members:
                     self.scheduler.abort(request.request_id)
 
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """End sequence ``index`` of a request as stopped (a stop string found outside the engine); its siblings
+        go on. Unknown or finished ones are ignored."""
+        group = self._groups.get(request_id)
+        member = next((m for m in group.members if m.index == index), None) if group is not None else None
+        if member is None or member.status.finished:
+            return
+        member.stop_reason = None
+        self.scheduler.finish(member, RequestStatus.FINISHED_STOPPED)
+        group.unfinished -= 1
+        if group.unfinished == 0:
+            del self._groups[request_id]
+            self._counters.finished_requests += 1
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -364,6 +372,20 @@ def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
             f"{config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB). Raise --kv-cache-space to at "
             f"least {need_gib:.3g} or lower --max-model-len")
     return num_blocks
+
+
+def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a string, a list of token ids, or a dict with either."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}",
+                              param="prompt")
 
 
 def _eos_token_ids(tokenizer, source: ModelSource) -> frozenset[int]:

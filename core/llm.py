@@ -17,11 +17,20 @@ class LLM:
 
     ``model`` is a Hugging Face folder, a GGUF file or an OpenVINO export (default: SmolLM2-135M-Instruct);
     ``backend`` defaults to ``cpu`` (or PAGEDLLM_BACKEND); other keyword arguments are engine settings
-    (``dtype``, ``max_model_len``, ``enable_prefix_caching``, ``kv_cache_space``, ...).
+    (``dtype``, ``max_model_len``, ``enable_prefix_caching``, ``kv_cache_space``, ...). ``engine_process=True``
+    runs the scheduler and the model in an engine-core process of their own, as ``pagedllm serve`` does, and
+    detokenizes in this one.
     """
 
-    def __init__(self, model: str | None = None, backend: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, backend=backend, **engine_args))
+    def __init__(self, model: str | None = None, backend: str | None = None, engine_process: bool = False,
+                 **engine_args) -> None:
+        args = EngineArgs.from_kwargs(model=model, backend=backend, **engine_args)
+        if engine_process:
+            from pagedllm.core_client import EngineCoreClient
+
+            self.engine = EngineCoreClient(args)
+        else:
+            self.engine = LLMEngine.from_engine_args(args)
 
     @property
     def tokenizer(self):

@@ -38,12 +38,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ServerProcess:
     """``python -m pagedllm.entrypoints.cli serve ...``, its stderr in a file (shown when it fails to start)."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(self.port)]
-        env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING"}
+        env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready()
@@ -61,6 +61,13 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"the server did not start in {START_TIMEOUT} s:\n{self.log()}")
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (its engine core)."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

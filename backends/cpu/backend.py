@@ -106,6 +106,9 @@ class CPUBackend(Backend):
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.runner.execute(batch)
 
+    def bound_cpus(self) -> list[int] | None:
+        return list(self.thread_plan.cpus) if self.thread_plan.cpus is not None else None
+
     def release_thread(self) -> None:
         if self.runner is not None:
             self.runner.binder.release()

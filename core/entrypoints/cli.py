@@ -23,6 +23,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap each prompt as a user message in the model's chat template "
                         "(default: on when the model has one)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the scheduler and the model in an engine-core process of their own, as serve does")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -39,7 +41,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)), engine_process=args.engine_process)
     chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))
     if chat:
         inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -1,5 +1,6 @@
-"""AsyncLLMEngine on a tiny Llama: the engine thread serves asyncio callers, adds are all or none, leaving a stream
-aborts it, the thread sleeps when idle, and shutdown ends what is in flight."""
+"""AsyncLLMEngine on a tiny Llama, with the engine on a thread and in an engine-core process: it serves asyncio
+callers, adds are all or none, leaving a stream aborts it, the engine sleeps when idle, and shutdown ends what is in
+flight."""
 
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ def engine_args(tiny_llama_dir) -> EngineArgs:
     return EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, kv_cache_space=0.01)
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def engine_process(request) -> bool:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine(engine_args):
-    engine = AsyncLLMEngine(engine_args)
+def engine(engine_args, engine_process):
+    engine = AsyncLLMEngine(engine_args, engine_process=engine_process)
     yield engine
     engine.shutdown()
 
@@ -109,8 +115,8 @@ def test_on_step_reports_latencies(engine):
     assert all(x >= 0 for s in seen for x in s.time_to_first_token + s.inter_token_latency)
 
 
-def test_shutdown_ends_streams_in_flight_and_refuses_new_requests(engine_args):
-    engine = AsyncLLMEngine(engine_args)
+def test_shutdown_ends_streams_in_flight_and_refuses_new_requests(engine_args, engine_process):
+    engine = AsyncLLMEngine(engine_args, engine_process=engine_process)
 
     async def run():
         stream = await engine.add([("long", "Paris", SamplingParams(max_tokens=200, ignore_eos=True))])
@@ -124,3 +130,18 @@ def test_shutdown_ends_streams_in_flight_and_refuses_new_requests(engine_args):
 
     asyncio.run(run())
     assert engine.dead is not None and engine.stats.kv_cache_usage == 0
+
+
+def test_a_request_aborted_before_its_add_is_acknowledged_is_forgotten(engine):
+    async def run():
+        adding = asyncio.ensure_future(engine.add([("early", "Paris", SamplingParams(max_tokens=200,
+                                                                                    ignore_eos=True))]))
+        await asyncio.sleep(0)  # the add is submitted, its acknowledgement not yet received
+        adding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adding
+        await wait_until(lambda: engine.stats.num_running == 0 and engine.stats.kv_cache_usage == 0)
+        return await collect_one(engine, "after-early")
+
+    assert asyncio.run(run())["after-early"][-1].finished
+    assert "early" not in engine._routes

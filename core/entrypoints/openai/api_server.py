@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
 
 import uvicorn
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
-from pagedllm.async_engine import AsyncLLMEngine
+from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.chat import create_chat_completion
 from pagedllm.entrypoints.openai.cli_args import ServerConfig
@@ -30,13 +31,18 @@ from pagedllm.model_source import load_tokenizer
 
 logger = logging.getLogger("pagedllm.server")
 
+# How long a server whose engine died goes on answering (503, and errors to open requests) before it exits:
+# health checks see why, and a supervisor then restarts it.
+DEAD_ENGINE_GRACE = 5.0
+
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     source, engine_config = engine.engine.source, engine.engine.config
     model_names = config.served_model_names or [source.name]
     prompts = PromptBuilder(load_tokenizer(source), engine_config.max_model_len, engine.engine.model_info.vocab_size,
                             config.chat_template)
-    ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser)
+    ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser,
+                         log_requests=not config.disable_log_requests)
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())
@@ -101,22 +107,33 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0 once drained) or the engine dies (exit 1, for a supervisor to restart)."""
     config = ServerConfig.from_cli_args(args)  # checked before the model loads
-    engine = AsyncLLMEngine(EngineArgs.from_cli_args(args))
+    engine = AsyncLLMEngine(EngineArgs.from_cli_args(args), engine_process=config.engine_process)
+    died: list[EngineDeadError] = []
     try:
         app = build_app(engine, config)
         log_level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                                timeout_graceful_shutdown=config.shutdown_timeout))
+
+        def engine_died(error: EngineDeadError) -> None:
+            died.append(error)
+            logger.error("the engine is dead (%s): answering 503 for %g s, then exiting with status 1",
+                         error, DEAD_ENGINE_GRACE)
+            threading.Timer(DEAD_ENGINE_GRACE, lambda: setattr(server, "should_exit", True)).start()
+
+        engine.on_dead = engine_died
         _exit_zero_after_graceful_stop()
         names = ", ".join(config.served_model_names or [engine.engine.source.name])
-        logger.info("serving %s at http://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes)",
-                    names, config.host, config.port, "required" if config.api_key else "off",
-                    config.max_request_size)
+        logger.info("serving %s at http://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes; engine "
+                    "%s)", names, config.host, config.port, "required" if config.api_key else "off",
+                    config.max_request_size,
+                    "in its own process" if config.engine_process else "on a thread of this process")
         server.run()
     finally:
         engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not died else 1
 
 
 def _exit_zero_after_graceful_stop() -> None:

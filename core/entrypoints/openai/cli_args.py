@@ -32,6 +32,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Jinja chat template (a file, or the template itself) replacing the model's")
     server.add_argument("--max-log-len", type=int, default=None,
                         help="most prompt characters and token ids logged per request (default: all)")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="no log line per request (by default each request's prompt and settings are logged)")
+    server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the scheduler and the model in an engine-core process of their own, apart from "
+                             "the HTTP server's (default); --no-engine-process runs them on a thread of the "
+                             "server's process")
     server.add_argument("--max-request-size", type=int, default=DEFAULT_MAX_REQUEST_SIZE, metavar="BYTES",
                         help=f"largest request body accepted; larger ones get a 413 "
                              f"(default {DEFAULT_MAX_REQUEST_SIZE}, 10 MiB)")
@@ -55,6 +61,8 @@ class ServerConfig:
     served_model_names: list[str] | None = None  # None: the model's name
     chat_template: str | None = None  # the template text, already read from its file
     max_log_len: int | None = None
+    disable_log_requests: bool = False
+    engine_process: bool = True
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice
@@ -73,6 +81,7 @@ class ServerConfig:
             raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
         return cls(host=args.host, port=args.port, api_key=api_key, served_model_names=args.served_model_name,
                    chat_template=load_chat_template(args.chat_template), max_log_len=args.max_log_len,
+                   disable_log_requests=args.disable_log_requests, engine_process=args.engine_process,
                    max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout,
                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 

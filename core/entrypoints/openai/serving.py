@@ -34,6 +34,7 @@ class ServingContext:
     model_names: list[str]
     max_log_len: int | None = None
     tool_call_parser: str | None = None  # set when auto tool choice is on
+    log_requests: bool = True
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -59,7 +60,7 @@ class ServingContext:
         return response_id, stream
 
     def _log(self, response_id: str, prompts: list[dict], params: SamplingParams) -> None:
-        if not logger.isEnabledFor(logging.INFO):
+        if not self.log_requests or not logger.isEnabledFor(logging.INFO):
             return
         limit = self.max_log_len
         for i, prompt in enumerate(prompts):
