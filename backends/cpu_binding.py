@@ -16,7 +16,8 @@ from pagedllm.config import Setting
 from pagedllm.errors import ConfigError
 
 THREADS_BIND = Setting("cpu_omp_threads_bind", str, "auto",
-                       "CPUs of the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7",
+                       "CPUs of the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7; "
+                       "sets split by a vertical bar give each tensor-parallel rank its own",
                        env_aliases=("VLLM_CPU_OMP_THREADS_BIND",))
 TENSOR_PARALLEL_SIZE = Setting("tensor_parallel_size", int, 1,
                                "tensor-parallel ranks: the model's heads, MLP and vocabulary split over this many "
