@@ -3,7 +3,7 @@
 ``auto`` takes one CPU per physical core (hyperthread siblings skipped) among the CPUs this process
 may use (its affinity mask, e.g. a container's cpuset), read from the kernel's sysfs topology. An
 explicit list (``0-29``, ``0,2,4-7``) is used as given; ``nobind`` pins nothing. ``a-b|c-d`` names one
-CPU set per tensor-parallel rank. Backends apply the plan (torch threads, OpenVINO properties).
+CPU set per tensor-parallel rank (``plan_ranks``). Backends apply the plan (torch threads, OpenVINO properties).
 """
 
 from __future__ import annotations
@@ -16,8 +16,12 @@ from pagedllm.config import Setting
 from pagedllm.errors import ConfigError
 
 THREADS_BIND = Setting("cpu_omp_threads_bind", str, "auto",
-                       "CPUs of the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7",
+                       "CPUs of the inference threads: auto (one per physical core), nobind, 0-29, 0,2,4-7; "
+                       "sets split by a vertical bar give each tensor-parallel rank its own",
                        env_aliases=("VLLM_CPU_OMP_THREADS_BIND",))
+TENSOR_PARALLEL_SIZE = Setting("tensor_parallel_size", int, 1,
+                               "tensor-parallel ranks: the model's heads, MLP and vocabulary split over this many "
+                               "worker processes, one CPU set each", short_flag="-tp")
 SYSFS = Path("/sys/devices/system")
 # The CPUs this process may use, read before anything pins a thread (binding pins the calling thread to one
 # CPU, so a later engine in the same process would otherwise see only that one).
@@ -115,8 +119,8 @@ def plan_threads(spec: str, *, reserve_for_server: bool = False, topology: Topol
     if "|" in spec:
         ranks = spec.split("|")
         raise ConfigError(
-            f"CPU binding {spec!r} names {len(ranks)} tensor-parallel ranks, but pagedllm runs one rank (tensor "
-            f"parallelism is not available yet): give one CPU list, e.g. {ranks[0].strip()!r}, or 'auto'")
+            f"CPU binding {spec!r} names {len(ranks)} tensor-parallel ranks, but the tensor-parallel size is 1: "
+            f"pass --tensor-parallel-size {len(ranks)} (-tp), or give one CPU list such as {ranks[0].strip()!r}")
     if spec == "nobind":
         return ThreadPlan(None, len(allowed), _nodes(topology, allowed), False, spec)
     if spec == "auto":
@@ -141,6 +145,68 @@ def plan_threads(spec: str, *, reserve_for_server: bool = False, topology: Topol
         warnings = (f"the bound CPUs span NUMA nodes {','.join(map(str, nodes))}: memory traffic crosses nodes; "
                     f"bind to the CPUs of one node for speed",)
     return ThreadPlan(plan_cpus, len(plan_cpus), nodes, skipped, spec, warnings)
+
+
+def plan_ranks(spec: str, num_ranks: int, *, reserve_for_server: bool = False, topology: Topology | None = None,
+               allowed: set[int] | None = None) -> list[ThreadPlan]:
+    """One plan per tensor-parallel rank on this machine: the ``|``-separated sets as given, or with ``auto`` the
+    cores split by NUMA node, then into contiguous runs of physical cores."""
+    spec = (spec or "auto").strip()
+    if num_ranks == 1 and "|" not in spec:
+        return [plan_threads(spec, reserve_for_server=reserve_for_server, topology=topology, allowed=allowed)]
+    topology = topology or Topology.read()
+    sets = spec.split("|")
+    if len(sets) > 1 or spec not in ("auto", "nobind"):
+        if len(sets) != num_ranks:
+            raise ConfigError(
+                f"CPU binding {spec!r} names {len(sets)} CPU set{'s' if len(sets) > 1 else ''} but there are "
+                f"{num_ranks} tensor-parallel ranks on this machine: give one set per rank separated by '|', "
+                f"e.g. '0-31|32-63', or 'auto'")
+        plans = [plan_threads(s, topology=topology, allowed=allowed) for s in sets]
+        for i, a in enumerate(plans):
+            for j, b in enumerate(plans[:i]):
+                shared = sorted(set(a.cpus or ()) & set(b.cpus or ()))
+                if shared:
+                    raise ConfigError(f"CPU binding {spec!r}: the sets of ranks {j} and {i} share CPUs "
+                                      f"{format_cpu_list(shared)}; each rank needs CPUs of its own")
+        return plans
+    usable = set(_PROCESS_CPUS if allowed is None else allowed) & (set(topology.siblings) or set(_PROCESS_CPUS))
+    if spec == "nobind":
+        each = max(1, len(usable) // num_ranks)
+        return [ThreadPlan(None, each, _nodes(topology, usable), False, spec) for _ in range(num_ranks)]
+    cores, skipped = _one_per_core(topology, usable)
+    if reserve_for_server and len(cores) > num_ranks + 1:
+        cores = cores[:-1]
+    if len(cores) < num_ranks:
+        raise ConfigError(
+            f"{num_ranks} tensor-parallel ranks need a physical core each, but this machine gives this process "
+            f"{len(cores)} ({format_cpu_list(cores)}): lower --tensor-parallel-size to {len(cores)} or less")
+    by_node: dict[int, list[int]] = {}
+    for cpu in cores:
+        by_node.setdefault(topology.node_of.get(cpu, 0), []).append(cpu)
+    groups = list(by_node.values())
+    if num_ranks % len(groups) == 0 and all(len(g) >= num_ranks // len(groups) for g in groups):
+        chunks = [c for g in groups for c in _split(g, num_ranks // len(groups))]
+    else:  # ranks do not map onto whole nodes: contiguous runs in node order (the plan warns where one spans two)
+        chunks = _split([c for g in groups for c in g], num_ranks)
+    plans = []
+    for chunk in chunks:
+        nodes = _nodes(topology, chunk)
+        warnings = (f"a rank's CPUs {format_cpu_list(chunk)} span NUMA nodes {','.join(map(str, nodes))}",) \
+            if len(nodes) > 1 else ()
+        plans.append(ThreadPlan(chunk, len(chunk), nodes, skipped, spec, warnings))
+    return plans
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """``parts`` contiguous runs whose lengths differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        runs.append(items[start:end])
+        start = end
+    return runs
 
 
 def _one_per_core(topology: Topology, allowed: set[int]) -> tuple[list[int], bool]:

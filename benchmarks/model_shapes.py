@@ -9,8 +9,14 @@ import json
 import shutil
 from pathlib import Path
 
-# name -> the config fields of the real model (Llama-3.2-1B: 1.24B parameters, 16 layers, GQA 32/8, head size 64)
+# name -> the config fields of the real model (Llama-3.2-1B: 1.24B parameters, 16 layers, GQA 32/8, head size 64;
+# Qwen2.5-0.5B: 0.49B, 24 layers, GQA 14/2, head size 64, the smallest common model whose heads split in two; its
+# q/k/v biases are left out, a Llama layer of its shape)
 SHAPES = {
+    "qwen2.5-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                     "max_position_embeddings": 32768},
     "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                  "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rope_theta": 500000.0,
                  "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 4096},

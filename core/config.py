@@ -25,7 +25,8 @@ class Setting:
     """One engine setting: its type, default and help; the flag and env names derive from ``name``.
 
     ``aliases`` maps other spellings users write (``ON``, ``bfloat16``) to the canonical value; ``env_aliases`` are
-    env names read before ``PAGEDLLM_<NAME>`` (vLLM's); ``shown_default`` is the default as the docs say it.
+    env names read before ``PAGEDLLM_<NAME>`` (vLLM's); ``shown_default`` is the default as the docs say it;
+    ``short_flag`` is a second spelling of the flag (vLLM's ``-tp``).
     """
 
     name: str
@@ -36,6 +37,7 @@ class Setting:
     aliases: dict | None = None
     env_aliases: tuple[str, ...] = ()
     shown_default: str | None = None
+    short_flag: str | None = None
 
     def normalize(self, value: Any) -> Any:
         if self.aliases and isinstance(value, str):
@@ -125,10 +127,11 @@ class EngineArgs:
 def _add_flag(group, s: Setting, env: str, owner: str = "") -> None:
     help_text = s.help + owner + (f" ({'|'.join(s.choices)})" if s.choices else "") + f" [env {env}"
     help_text += f"; default {s.default}]" if s.default is not None else "]"
+    flags = (s.flag, s.short_flag) if s.short_flag else (s.flag,)
     if s.type is bool:
-        group.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        group.add_argument(*flags, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
     else:
-        group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=help_text)
+        group.add_argument(*flags, dest=s.name, type=s.type, default=None, help=help_text)
 
 
 def backend_settings() -> list[tuple[Setting, list[str]]]:
@@ -269,7 +272,8 @@ def settings_table() -> list[str]:
     def row(s: Setting, envs: list[str], owner: str = "") -> None:
         default = s.shown_default or ("on" if s.default is True else "off" if s.default is False else s.default)
         choices = f" ({', '.join(f'`{c}`' for c in s.choices)})" if s.choices else ""
-        lines.append(f"| `{s.flag}` | {', '.join(envs)} | {default} | {s.help}{choices}{owner} |")
+        flag = f"`{s.flag}`" + (f", `{s.short_flag}`" if s.short_flag else "")
+        lines.append(f"| {flag} | {', '.join(envs)} | {default} | {s.help}{choices}{owner} |")
 
     for s in SETTINGS:
         envs = [f"`{e}` ({cls.name} backend)" for cls in classes for e in cls.env_vars.get(s.name, ())]

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from pagedllm.backends.cpu_binding import Topology, format_cpu_list, parse_cpu_list, plan_threads, process_cpus
+from pagedllm.backends.cpu_binding import (Topology, format_cpu_list, parse_cpu_list, plan_ranks, plan_threads,
+                                          process_cpus)
 from pagedllm.errors import ConfigError
 
 
@@ -79,7 +80,7 @@ def test_explicit_lists_and_nobind(tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("0-31|32-63", "names 2 tensor-parallel ranks"),
+    ("0-31|32-63", "names 2 tensor-parallel ranks, but the tensor-parallel size is 1: pass --tensor-parallel-size 2"),
     ("0-3,x", "is not valid"),
     ("12-20", "names CPUs 16-20 that this process may not use; available: 0-15"),
 ])
@@ -87,6 +88,35 @@ def test_bad_specs_say_what_to_do(tmp_path, spec, message):
     topo = fake_sysfs(tmp_path)
     with pytest.raises(ConfigError, match=message):
         plan_threads(spec, topology=topo, allowed=set(range(16)))
+
+
+def test_auto_splits_the_ranks_by_numa_node_then_by_core(tmp_path):
+    topo = fake_sysfs(tmp_path)  # 2 sockets x 4 cores x 2 threads: node 0 has cores 0-3, node 1 cores 4-7
+    two = plan_ranks("auto", 2, topology=topo, allowed=set(range(16)))
+    assert [p.cpus for p in two] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p.numa_nodes for p in two] == [[0], [1]] and not any(p.warnings for p in two)
+    four = plan_ranks("auto", 4, topology=topo, allowed=set(range(16)))
+    assert [p.cpus for p in four] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    three = plan_ranks("auto", 3, topology=topo, allowed=set(range(16)))  # not a multiple of the nodes
+    assert [p.cpus for p in three] == [[0, 1, 2], [3, 4, 5], [6, 7]] and three[1].warnings
+
+
+def test_explicit_rank_sets(tmp_path):
+    topo = fake_sysfs(tmp_path)
+    plans = plan_ranks("0-3|4-7", 2, topology=topo, allowed=set(range(16)))
+    assert [p.cpus for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]] and [p.num_threads for p in plans] == [4, 4]
+
+
+@pytest.mark.parametrize("spec, ranks, message", [
+    ("0-3|4-7", 3, "names 2 CPU sets but there are 3 tensor-parallel ranks on this machine"),
+    ("0-7", 2, "names 1 CPU set but there are 2 tensor-parallel ranks"),
+    ("0-4|4-7", 2, "the sets of ranks 0 and 1 share CPUs 4"),
+    ("auto", 9, "9 tensor-parallel ranks need a physical core each, but this machine gives this process 8"),
+])
+def test_rank_plans_that_cannot_work_are_refused(tmp_path, spec, ranks, message):
+    topo = fake_sysfs(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        plan_ranks(spec, ranks, topology=topo, allowed=set(range(16)))
 
 
 def test_this_machine():

@@ -18,7 +18,10 @@ from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
 from pagedllm.backends.cpu.model_runner import ModelRunner
 from pagedllm.backends.cpu.allocator import keep_freed_memory
 from pagedllm.backends.cpu.threads import ThreadBinder
-from pagedllm.backends.cpu_binding import THREADS_BIND, plan_threads
+from pagedllm.backends.cpu.tp_executor import TensorParallelExecutor
+from pagedllm.backends.cpu.tp_launch import (DISTRIBUTED_INIT_METHOD, NNODES, NODE_COMMAND, NODE_RANK,
+                                             free_local_init_method, local_ranks)
+from pagedllm.backends.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
 
 logger = logging.getLogger("pagedllm.cpu")
 # The attention kernels hold a block's softmax weights on the stack (csrc/paged_attention.cpp, block_accumulate).
@@ -65,15 +68,24 @@ class CPUBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (THREADS_BIND, RESIDUAL_DTYPE)
+    settings = (THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES, NODE_RANK)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
+        options = config.backend_options
         self.dtype, self.dtype_reason = choose_dtype(config.dtype, cpu_features.has_native_bf16())
         self.cache_kind, self.cache_dtype, self.cache_reason = choose_kv_cache(config.kv_cache_dtype, self.dtype)
-        self.thread_plan = plan_threads(config.backend_options["cpu_omp_threads_bind"],
-                                        reserve_for_server=config.serving)
-        self.runner: ModelRunner | None = None
+        self.tensor_parallel = options["tensor_parallel_size"] > 1 or options["nnodes"] > 1
+        if self.tensor_parallel:
+            ranks, self.rank_plans = local_ranks(options, reserve_for_server=config.serving)
+            if ranks.start:
+                raise ConfigError(f"--node-rank {options['node_rank']} runs tensor-parallel ranks only, no engine: "
+                                  f"start it with `{NODE_COMMAND} --node-rank {options['node_rank']} ...` (see "
+                                  f"`{NODE_COMMAND} --help`)")
+            self.thread_plan = self.rank_plans[0]
+        else:
+            self.thread_plan = plan_threads(options["cpu_omp_threads_bind"], reserve_for_server=config.serving)
+        self.runner: ModelRunner | TensorParallelExecutor | None = None
 
     def load_model(self) -> ModelInfo:
         if self.model.hf_dir is None:
@@ -82,16 +94,33 @@ class CPUBackend(Backend):
                 f"backend a Hugging Face folder or a GGUF file")
         logger.info("CPU: %s", cpu_features.describe())
         logger.info("dtype: %s; KV cache: %s", self.dtype_reason, self.cache_reason)
+        residual = torch.float32 if self.config.backend_options["residual_dtype"] == "float32" else self.dtype
+        if self.tensor_parallel:
+            return self._start_ranks(residual)
         logger.info("threads: %s", self.thread_plan.describe())
         for warning in self.thread_plan.warnings:
             logger.warning("%s", warning)
         logger.info("%s", keep_freed_memory())
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
-        residual = torch.float32 if self.config.backend_options["residual_dtype"] == "float32" else self.dtype
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
                                   ThreadBinder(self.thread_plan, kernels), kernels, residual)
         return self.runner.load()
+
+    def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
+        options = self.config.backend_options
+        for plan in self.rank_plans:
+            for warning in plan.warnings:
+                logger.warning("%s", warning)
+        model = {"model_dir": str(self.model.hf_dir), "dtype": _name(self.dtype), "cache_kind": self.cache_kind,
+                 "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
+                 "attention_mode": attention_mode()}
+        self.runner = TensorParallelExecutor(model, options["tensor_parallel_size"], self.rank_plans,
+                                             options["distributed_init_method"] or free_local_init_method(),
+                                             self.config.max_num_seqs)
+        info = self.runner.load()
+        self.attention_path = self.runner.ranks[0]["attention"]
+        return info
 
     def check_block_size(self, block_size: int) -> None:
         if block_size > MAX_BLOCK_SIZE:
@@ -110,16 +139,22 @@ class CPUBackend(Backend):
         return list(self.thread_plan.cpus) if self.thread_plan.cpus is not None else None
 
     def release_thread(self) -> None:
-        if self.runner is not None:
+        if isinstance(self.runner, ModelRunner):
             self.runner.binder.release()
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.runner.copy_blocks(torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long))
 
     def describe(self) -> str:
-        return (f"KV cache {self.cache_reason}; {self.thread_plan.describe()}; attention: {self.attention_path} "
-                f"(IPEX: {ipex_status()})")
+        threads = self.runner.describe() if self.tensor_parallel else self.thread_plan.describe()
+        return f"KV cache {self.cache_reason}; {threads}; attention: {self.attention_path} (IPEX: {ipex_status()})"
 
     def shutdown(self) -> None:
         self.release_thread()
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.shutdown()
         self.runner = None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -61,21 +61,21 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
     layers = [m for m in model.modules() if _qualifies(m, llama)]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        # Widths from the layers, not the config: a tensor-parallel rank holds a share of the heads and columns.
+        widths = (attn.q_proj.out_features, attn.k_proj.out_features, mlp.gate_proj.out_features)
         attn.qkv_proj = _concatenated(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # the weights are held once
         for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             setattr(part, INSIDE_FUSED_LAYER, True)
-        layer.forward = _fused_forward(layer, kernels, residual_dtype)
+        layer.forward = _fused_forward(layer, kernels, residual_dtype, *widths)
     return len(layers)
 
 
-def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype):
+def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype, q_width: int, kv_width: int,
+                   intermediate: int):
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
-    q_width = attn.config.num_attention_heads * head_dim
-    kv_width = attn.config.num_key_value_heads * head_dim
-    intermediate = mlp.intermediate_size
     input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,

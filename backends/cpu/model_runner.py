@@ -1,7 +1,7 @@
-"""The worker: one model replica and its KV cache, executing batches.
+"""The worker: one model replica (or one tensor-parallel rank's shard of it) and its KV cache, executing batches.
 
-Kept behind this boundary so that tensor parallelism can put N of these (each with a shard of the
-weights and the cache) where the backend now has one, without touching the core.
+Tensor parallelism puts N of these, each in a worker process with a shard of the weights and the cache, where the
+backend otherwise has one (tp_executor), without touching the core.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.rotary import use_fused_rotary
+from pagedllm.backends.cpu.sharding import Rank, check_shardable, shard_model
 from pagedllm.backends.cpu.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.threads import ThreadBinder
 
@@ -30,7 +31,8 @@ class ModelRunner:
     thread of its own)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
-                 binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None) -> None:
+                 binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
+                 rank: Rank | None = None) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
         self.residual_dtype = residual_dtype or dtype
@@ -38,6 +40,7 @@ class ModelRunner:
         self.cache_dtype = cache_dtype
         self.binder = binder
         self.kernels = kernels
+        self.rank = rank  # None: the whole model in this process
         self.model = None
         self.kv_caches: list[tuple] = []
 
@@ -46,10 +49,14 @@ class ModelRunner:
 
         config = AutoConfig.from_pretrained(self.model_dir)
         model_type = check_supported(config)
+        if self.rank is not None:
+            check_shardable(config.get_text_config(), self.rank.world_size)
         attention.register()
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
+        if self.rank is not None:
+            shard_model(self.model, self.rank)
         layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
@@ -63,6 +70,8 @@ class ModelRunner:
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        # This process's cache holds its share of the KV heads.
+        self.local_kv_heads = self.num_kv_heads // (self.rank.world_size if self.rank else 1)
         self.head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         self.num_layers = text.num_hidden_layers
         return ModelInfo(
@@ -76,11 +85,11 @@ class ModelRunner:
         )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return kv_cache.bytes_per_block(self.cache_kind, self.num_layers, self.num_kv_heads, block_size,
+        return kv_cache.bytes_per_block(self.cache_kind, self.num_layers, self.local_kv_heads, block_size,
                                         self.head_size, self.cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.kv_caches = [kv_cache.make_layer_caches(self.cache_kind, num_blocks, self.num_kv_heads, block_size,
+        self.kv_caches = [kv_cache.make_layer_caches(self.cache_kind, num_blocks, self.local_kv_heads, block_size,
                                                      self.head_size, self.cache_dtype)
                           for _ in range(self.num_layers)]
 

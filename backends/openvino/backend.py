@@ -14,7 +14,7 @@ import numpy as np
 
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends import cpu_features
-from pagedllm.backends.cpu_binding import THREADS_BIND
+from pagedllm.backends.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND
 from pagedllm.batch import Batch
 from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
@@ -44,7 +44,7 @@ class OpenVINOBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_OPENVINO_KVCACHE_SPACE", "VLLM_OPENVINO_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_OPENVINO_CPU_KV_CACHE_PRECISION", "VLLM_OPENVINO_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (QUANTIZE_WEIGHTS, THREADS_BIND)
+    settings = (QUANTIZE_WEIGHTS, THREADS_BIND, TENSOR_PARALLEL_SIZE)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -77,10 +77,12 @@ class OpenVINOBackend(Backend):
         from pagedllm.backends.openvino.kv_cache import PagedKVCache
         from pagedllm.backends.openvino.logits_gather import gather_before_lm_head
         from pagedllm.backends.openvino.paged_attention import to_paged_attention
-        from pagedllm.backends.openvino.threads import thread_properties
+        from pagedllm.backends.openvino.threads import distribution_properties, thread_properties
 
-        ir_dir = self._ir_dir()
         core = ov.Core()
+        distribution = distribution_properties(self.config.backend_options["tensor_parallel_size"],
+                                               core.get_property("CPU", "SUPPORTED_PROPERTIES"))
+        ir_dir = self._ir_dir()
         model = core.read_model(ir_dir / MODEL_XML)
         to_paged_attention(model)
         gather_before_lm_head(model)
@@ -89,7 +91,7 @@ class OpenVINOBackend(Backend):
         self.precision = choose_precision(self.config.dtype, self.config.kv_cache_dtype, capabilities)
         threads, self.threads_applied = thread_properties(self.config.backend_options["cpu_omp_threads_bind"],
                                                                  self.config.serving)
-        compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads})
+        compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads, **distribution})
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         self.request = compiled.create_infer_request()
         self.kv_cache = PagedKVCache(compiled)

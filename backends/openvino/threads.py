@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.backends.cpu_binding import plan_threads
+from pagedllm.backends.cpu_binding import Topology, plan_threads
+from pagedllm.errors import ConfigError
 
 logger = logging.getLogger("pagedllm.openvino")
 
@@ -25,3 +26,24 @@ def thread_properties(spec: str, serving: bool) -> tuple[dict, str]:
     if pinned and spec.strip() not in ("", "auto"):
         applied += " to cores OpenVINO picks (it takes a thread count, not a CPU list)"
     return properties, f"{applied}; plan: {plan.describe()}"
+
+
+def distribution_properties(tensor_parallel_size: int, supported: list[str], topology: Topology | None = None) -> dict:
+    """Compile properties for --tensor-parallel-size: the CPU plugin's TENSOR_PARALLEL model distribution, which
+    splits the model over NUMA nodes (one part per socket) inside one process; ConfigError where it cannot."""
+    if tensor_parallel_size == 1:
+        return {}
+    if "MODEL_DISTRIBUTION_POLICY" not in supported:
+        raise ConfigError(f"--tensor-parallel-size {tensor_parallel_size}: this OpenVINO's CPU plugin has no model "
+                          f"distribution policy (OpenVINO 2024.4 or newer has); run with --tensor-parallel-size 1 or "
+                          f"the cpu backend")
+    topology = topology or Topology.read()
+    nodes = sorted(set(topology.node_of.values())) or [0]
+    if len(nodes) != tensor_parallel_size:
+        raise ConfigError(f"--tensor-parallel-size {tensor_parallel_size}: OpenVINO's CPU plugin splits a model "
+                          f"across NUMA nodes, one part per node, and this machine has {len(nodes)}; pass "
+                          f"--tensor-parallel-size {len(nodes)}" + (" (no split)" if len(nodes) == 1 else "")
+                          + ", or use the cpu backend, whose ranks split any machine's cores")
+    import openvino.properties.hint as hints
+
+    return {"MODEL_DISTRIBUTION_POLICY": {hints.ModelDistributionPolicy.TENSOR_PARALLEL}}

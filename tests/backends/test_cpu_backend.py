@@ -1,7 +1,6 @@
 """cpu backend settings: dtype choice, KV cache dtypes, logs of what was chosen."""
 
 import json
-import logging
 import os
 import platform
 import subprocess
@@ -88,17 +87,6 @@ def test_freed_memory_stays_in_the_process():
     assert not untuned["in_heap"] and tuned["in_heap"]  # glibc's default: above 128 KiB, mmap
     assert tuned["heap_kept"]
     assert sum(tuned["faults"][2:]) < 4096, tuned  # each round writes 17,700 pages
-
-
-@pytest.fixture()
-def pagedllm_logs(caplog):
-    logger = logging.getLogger("pagedllm")
-    logger.addHandler(caplog.handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(old)
 
 
 def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):

@@ -122,6 +122,27 @@ def test_bad_settings_are_refused(tiny_llama, kwargs, message):
         make_llm(tiny_llama, **kwargs)
 
 
+def test_tensor_parallel_maps_to_the_plugins_distribution_over_numa_nodes(tmp_path):
+    from test_cpu_binding import fake_sysfs
+    from pagedllm.backends.openvino.threads import distribution_properties
+
+    supported = ["MODEL_DISTRIBUTION_POLICY"]
+    two_sockets = fake_sysfs(tmp_path / "two")
+    assert str(distribution_properties(2, supported, two_sockets)["MODEL_DISTRIBUTION_POLICY"]) == \
+        "{<ModelDistributionPolicy.TENSOR_PARALLEL: 0>}"
+    assert distribution_properties(1, [], two_sockets) == {}
+    with pytest.raises(ConfigError, match="this machine has 2; pass --tensor-parallel-size 2"):
+        distribution_properties(4, supported, two_sockets)
+    with pytest.raises(ConfigError, match="has no model distribution policy"):
+        distribution_properties(2, [], two_sockets)
+
+
+def test_tensor_parallel_on_one_numa_node_says_why_not(tiny_llama):
+    with pytest.raises(ConfigError, match="splits a model across NUMA nodes, one part per node, and this machine "
+                                          "has 1; pass --tensor-parallel-size 1"):
+        make_llm(tiny_llama, tensor_parallel_size=2)
+
+
 def test_bad_block_tables_are_refused_before_infer(tiny_llama):
     llm = make_llm(tiny_llama, kv_cache_space=16 * 2 * 2 * 2 * 32 * 16 * 4 / 2**30)  # 16 f32 blocks
     backend = llm.engine.backend

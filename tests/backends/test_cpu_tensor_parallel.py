@@ -1,0 +1,188 @@
+"""Tensor parallelism on the cpu backend: the ranks' greedy output equals one process's and transformers', token
+for token in float32; two "nodes" over 127.0.0.1; a killed rank fails the engine fast, naming it; the refusals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from equality_support import GREEDY, build_references, token_ids
+from tiny_models import kv_bytes_per_block
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu.tp_executor import TensorParallelError
+from pagedllm.backends.cpu.tp_launch import free_local_init_method
+from pagedllm.errors import ConfigError
+
+ARCHS = ["llama", "qwen2"]
+LENGTHS = [1, 5, 16, 17, 31, 40, 64, 90, 7]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs):
+    return build_references(tiny_model_dirs, ARCHS, LENGTHS, prefix_len=50, short_prefix_len=35)
+
+
+def make_llm(model_dir, **kwargs):
+    kwargs.setdefault("kv_cache_space", 0.05)
+    return LLM(str(model_dir), dtype="float32", max_model_len=256, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_equal_one_and_transformers(tiny_model_dirs, references, arch):
+    """Prefix caching, chunked prefill and preemption at once: a pool of 40 blocks per rank, evictions included."""
+    shared, shared_expected = references[arch]["shared"]
+    plain, plain_expected = references[arch]["plain"]
+    settings = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32,
+                    max_num_seqs=8)
+    one_rank_space = 40 * kv_bytes_per_block(arch, block_size=8) / 2**30
+    llms = {1: make_llm(tiny_model_dirs[arch], kv_cache_space=one_rank_space, **settings),
+            2: make_llm(tiny_model_dirs[arch], kv_cache_space=one_rank_space / 2, tensor_parallel_size=2,
+                        **settings)}  # the space is per rank, and a rank holds half the KV heads
+    try:
+        for size, llm in llms.items():
+            assert llm.engine.num_blocks == 40
+            for prompts, expected in [(shared, shared_expected), (plain, plain_expected), (shared, shared_expected)]:
+                assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected, f"TP={size}"
+            assert llm.engine.scheduler.num_preemptions > 0
+            assert llm.engine.kv_manager.prefix_cache.hits > 0
+        ranks = llms[2].engine.backend.runner.ranks
+        assert [r["kv_heads"] for r in ranks] == [1, 1]  # of the model's 2
+    finally:
+        llms[2].shutdown()
+
+
+def test_the_log_shows_each_rank(tiny_llama, pagedllm_logs):
+    llm = make_llm(tiny_llama, tensor_parallel_size=2, cpu_omp_threads_bind="0|1")
+    processes = list(llm.engine.backend.runner.processes)
+    llm.shutdown()
+    text = pagedllm_logs.text
+    for rank in (0, 1):
+        assert f"TP rank {rank} on " in text and f"bound to CPUs {rank} " in text
+    assert "weight shard" in text and f"KV cache on each of the 2 TP ranks: {llm.engine.num_blocks} blocks" in text
+    assert all(p.returncode == 0 for p in processes)  # shut down cleanly
+
+
+def test_two_nodes_over_loopback(tiny_model_dirs, references):
+    """Node 1 runs its rank with the node command; node 0 runs the engine and rank 0."""
+    prompts, expected = references["llama"]["plain"]
+    init = free_local_init_method()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.backends.cpu.tp_node", "-tp", "2", "--nnodes", "2", "--node-rank", "1",
+         "--distributed-init-method", init], env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    try:
+        llm = make_llm(tiny_model_dirs["llama"], tensor_parallel_size=2, nnodes=2, node_rank=0,
+                       distributed_init_method=init, cpu_omp_threads_bind="0")
+        assert len(llm.engine.backend.runner.processes) == 1  # only rank 0 is this node's
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        llm.shutdown()
+        assert node.wait(30) == 0
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_a_killed_rank_fails_the_engine_naming_it(tiny_llama):
+    llm = make_llm(tiny_llama, tensor_parallel_size=2)
+    victim = llm.engine.backend.runner.processes[1]
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        os.kill(victim.pid, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(TensorParallelError) as failure:
+        for _ in range(100):  # until the kill lands
+            llm.generate([[5, 6, 7]] * 8, long, use_tqdm=False)
+    assert time.monotonic() - killed_at[0] < 10
+    message = str(failure.value)
+    assert f"TP rank 1 (pid {victim.pid}) was killed by SIGKILL" in message and "out-of-memory" in message
+    with pytest.raises(TensorParallelError):  # the engine stays failed
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert victim.poll() is not None and not llm.engine.backend.runner.processes  # rank 0 was stopped too
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(tensor_parallel_size=3, cpu_omp_threads_bind="nobind"),
+     "--tensor-parallel-size 3 does not divide the model's 4 attention heads"),
+    (dict(tensor_parallel_size=4, cpu_omp_threads_bind="nobind"),
+     "--tensor-parallel-size 4 does not divide the model's 2 KV heads"),
+    (dict(tensor_parallel_size=2, cpu_omp_threads_bind="0|1|0"), "names 3 CPU sets but there are 2"),
+    (dict(tensor_parallel_size=len(os.sched_getaffinity(0)) + 2), "need a physical core each"),
+    (dict(tensor_parallel_size=2, nnodes=2), "needs --distributed-init-method"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, distributed_init_method="tcp://127.0.0.1:1"),
+     "python -m pagedllm.backends.cpu.tp_node"),
+])
+def test_refusals_say_why(tiny_llama, settings, message):
+    with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
+        make_llm(tiny_llama, **settings)
+
+
+def test_the_node_command_refuses_node_0():
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.backends.cpu.tp_node", "-tp", "2", "--nnodes", "2",
+                           "--node-rank", "0", "--distributed-init-method", "tcp://127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "node 0 runs the engine" in proc.stderr
+
+
+def test_cli_flag_and_env_var(monkeypatch):
+    from pagedllm.config import EngineArgs, resolve
+    from pagedllm.backends.cpu.backend import CPUBackend
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "-tp", "2"])
+    assert EngineArgs.from_cli_args(args).backend_options["tensor_parallel_size"] == 2
+    monkeypatch.setenv("PAGEDLLM_TENSOR_PARALLEL_SIZE", "4")
+    assert resolve(EngineArgs(), backend_settings=CPUBackend.settings).backend_options["tensor_parallel_size"] == 4
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from pagedllm.model_source import resolve_model
+
+    return resolve_model(None)
+
+
+def test_smollm2_heads_do_not_split_in_two(smollm2):
+    with pytest.raises(ConfigError, match="does not divide the model's 9 attention heads.*use one of 1, 3, 9"):
+        LLM(dtype="float32", max_model_len=256, kv_cache_space=0.1, tensor_parallel_size=2)
+
+
+def test_smollm2_three_ranks_equal_transformers(smollm2):
+    """SmolLM2-135M has 9 heads and 3 KV heads: three ranks, unpinned (this box has two cores), with prefix
+    caching, chunked prefill and preemption on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    new_tokens = 32
+    block_bytes = 2 * 30 * 1 * 8 * 64 * 4  # layers x (3 KV heads / 3 ranks) x block x head size x float32, K and V
+    llm = LLM(dtype="float32", max_model_len=128, kv_cache_space=20 * block_bytes / 2**30, tensor_parallel_size=3,
+              cpu_omp_threads_bind="nobind", enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8)
+    try:
+        assert llm.engine.num_blocks == 20
+        questions = ["Tell me about Paris", "Write a haiku about the sea.", "What is 12 times 13?",
+                     "Name three colours.", "Why is the sky blue?"]
+        prompts = [llm.apply_chat_template([{"role": "user", "content": q}])["prompt_token_ids"] for q in questions]
+        ref = AutoModelForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32)
+        expected = []
+        with torch.inference_mode():
+            for ids in prompts:
+                x = torch.tensor([ids])
+                y = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=2, eos_token_id=None)
+                expected.append(y[0, len(ids):].tolist())
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert llm.engine.kv_manager.prefix_cache.hits > 0  # the chat prompts share the system prompt
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
