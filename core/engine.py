@@ -29,7 +29,7 @@ from pagedllm.plugins.manager import get_backend_class
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.stats import EngineStats
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -59,6 +59,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._groups: dict[str, _Group] = {}
         self._counters = _Counters()
+        self._consecutive_failures = 0
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -191,6 +192,14 @@ class LLMEngine:
         self.batch_builder.release(sched.released_ids)
         if sched.empty:
             return []
+        try:
+            outputs = self._run_step(sched)
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        self._consecutive_failures = 0
+        return outputs
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         batch, order, sampling = self.batch_builder.build(sched)
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
@@ -206,6 +215,33 @@ class LLMEngine:
             completion = self._append_token(request, token_id, logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
         return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A step raised: end the requests it ran with an error and free their blocks, so the others go on. What it
+        published in the prefix cache is withdrawn: those blocks may be half written. Re-raises (the engine is
+        dead) once ``max_consecutive_step_failures`` steps in a row have failed."""
+        self._consecutive_failures += 1
+        group_ids = list(dict.fromkeys(item.request.group_id for item in sched.scheduled))
+        limit = self.config.max_consecutive_step_failures
+        logger.error("a step failed (%d in a row, the engine stops at %d) running requests %s",
+                     self._consecutive_failures, limit, ", ".join(group_ids), exc_info=exc)
+        if self._consecutive_failures >= limit:
+            raise exc
+        for item in sched.scheduled:
+            self.kv_manager.unpublish_step(item.request)
+        now = time.time()
+        message = f"the engine step running this request failed: {exc!r}"
+        outputs = []
+        for group_id in group_ids:
+            group = self._groups.pop(group_id, None)
+            if group is None:  # already reported finished before the step raised
+                continue
+            for member in group.members:
+                self.scheduler.abort(member.request_id)
+            first = group.members[0]
+            metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
+            outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics, message))
+        return outputs
 
     def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
         """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings, which the scheduler

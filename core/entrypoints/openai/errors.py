@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.async_engine import EngineDeadError
+from pagedllm.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedllm.server")
@@ -82,6 +82,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

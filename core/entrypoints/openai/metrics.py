@@ -82,6 +82,8 @@ class ServerMetrics:
         for seconds in step.inter_token_latency:
             self.inter_token_latency.observe(seconds)
         for output in step.finished:
+            if output.error is not None:  # its step failed: not a success, no latency to speak of
+                continue
             metrics = output.metrics
             self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
             num_tokens = max(len(c.token_ids) for c in output.outputs)
