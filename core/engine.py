@@ -19,7 +19,7 @@ from pagedllm.backend import Backend, ModelInfo
 from pagedllm.batch_builder import BatchBuilder
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.errors import ConfigError, InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError, QueueFullError
 from pagedllm.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.logger import configure_logging
 from pagedllm.memory import available_memory_bytes
@@ -112,6 +112,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); try again later")
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

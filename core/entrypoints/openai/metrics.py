@@ -73,6 +73,8 @@ class ServerMetrics:
                                      "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=self.registry)
+        self.rejected = Counter("pagedllm:requests_rejected", "Requests refused because --max-waiting-requests "
+                                "were already queued.", LABELS, registry=self.registry).labels(*label_values)
         self._label_values = label_values
 
     def observe(self, step: StepLatencies) -> None:
