@@ -38,7 +38,12 @@ RequestSpec = tuple[str, PromptType, SamplingParams]  # (request id, prompt, sam
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (a step failed, or it was shut down): no request can be served."""
+    """The engine has stopped (too many steps in a row failed, its process died, or it was shut down): no request
+    can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine step running this request raised: the request ended there; the engine serves the others."""
 
 
 @dataclasses.dataclass
@@ -75,6 +80,8 @@ class OutputStream:
             raise item
         if item.finished:
             self._unfinished.discard(item.request_id)
+            if item.error is not None:
+                raise RequestFailedError(item.error)
         return item
 
     def abort(self) -> None:

@@ -73,6 +73,10 @@ SETTINGS: tuple[Setting, ...] = (
             "(fp16 runs as bf16 on the cpu backend)",
             KV_CACHE_DTYPES, aliases={"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "float16": "fp16",
                                       "f16": "fp16"}),
+    Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
+            "(the server answers 503 with Retry-After)", shown_default="unbounded"),
+    Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
+            "requests it ran) before the engine gives up"),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -93,6 +97,8 @@ class EngineArgs:
     kv_cache_space: float | None = None
     seed: int | None = None
     kv_cache_dtype: str | None = None
+    max_waiting_requests: int | None = None
+    max_consecutive_step_failures: int | None = None
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings of a backend's own
 
     @classmethod
@@ -162,6 +168,8 @@ class EngineConfig:
     kv_cache_space: float
     seed: int
     kv_cache_dtype: str
+    max_waiting_requests: int | None = None  # None: unbounded
+    max_consecutive_step_failures: int = 3
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the backend's own settings
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "flag" / env name / "default"
     serving: bool = False  # set by the HTTP server: backends may leave a core free for it
@@ -297,7 +305,8 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
     for s in SETTINGS:
         if s.choices and values[s.name] not in s.choices:
             raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                 "max_waiting_requests", "max_consecutive_step_failures"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")
     if not values["kv_cache_space"] > 0:

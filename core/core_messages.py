@@ -72,6 +72,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     sequences: list[SequenceDelta]
     first_scheduled_time: float | None
     first_token_time: float | None
+    error: str | None = None  # the step running it failed: it ended (no sequences)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

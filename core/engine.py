@@ -19,7 +19,7 @@ from pagedllm.backend import Backend, ModelInfo
 from pagedllm.batch_builder import BatchBuilder
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.errors import ConfigError, InvalidRequestError
+from pagedllm.errors import ConfigError, InvalidRequestError, QueueFullError
 from pagedllm.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.logger import configure_logging
 from pagedllm.memory import available_memory_bytes
@@ -29,7 +29,7 @@ from pagedllm.plugins.manager import get_backend_class
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.stats import EngineStats
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -59,6 +59,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._groups: dict[str, _Group] = {}
         self._counters = _Counters()
+        self._consecutive_failures = 0
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -111,6 +112,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._groups or request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); try again later")
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -191,6 +195,14 @@ class LLMEngine:
         self.batch_builder.release(sched.released_ids)
         if sched.empty:
             return []
+        try:
+            outputs = self._run_step(sched)
+        except Exception as exc:
+            return self._fail_step(sched, exc)
+        self._consecutive_failures = 0
+        return outputs
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         batch, order, sampling = self.batch_builder.build(sched)
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
@@ -206,6 +218,33 @@ class LLMEngine:
             completion = self._append_token(request, token_id, logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
         return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A step raised: end the requests it ran with an error and free their blocks, so the others go on. What it
+        published in the prefix cache is withdrawn: those blocks may be half written. Re-raises (the engine is
+        dead) once ``max_consecutive_step_failures`` steps in a row have failed."""
+        self._consecutive_failures += 1
+        group_ids = list(dict.fromkeys(item.request.group_id for item in sched.scheduled))
+        limit = self.config.max_consecutive_step_failures
+        logger.error("a step failed (%d in a row, the engine stops at %d) running requests %s",
+                     self._consecutive_failures, limit, ", ".join(group_ids), exc_info=exc)
+        if self._consecutive_failures >= limit:
+            raise exc
+        for item in sched.scheduled:
+            self.kv_manager.unpublish_step(item.request)
+        now = time.time()
+        message = f"the engine step running this request failed: {exc!r}"
+        outputs = []
+        for group_id in group_ids:
+            group = self._groups.pop(group_id, None)
+            if group is None:  # already reported finished before the step raised
+                continue
+            for member in group.members:
+                self.scheduler.abort(member.request_id)
+            first = group.members[0]
+            metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
+            outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics, message))
+        return outputs
 
     def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
         """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings, which the scheduler

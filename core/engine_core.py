@@ -123,7 +123,7 @@ def request_delta(output: RequestOutput) -> RequestDelta:
         sequences.append(SequenceDelta(c.index, c.delta_token_ids[-1], c.delta_logprobs[-1] if c.delta_logprobs
                                        else None, c.cumulative_logprob, c.finish_reason, c.stop_reason))
     m = output.metrics
-    return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time)
+    return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time, output.error)
 
 
 def _error_type(exc: BaseException) -> str:

@@ -21,6 +21,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class QueueFullError(RuntimeError):
+    """The engine already holds ``max_waiting_requests`` queued requests: try again later."""
+
+
 class ModelNotFoundError(ValueError):
     """The model path does not exist or is not a format pagedllm reads."""
 
@@ -34,5 +38,6 @@ __all__ = [
     "ConfigError",
     "InvalidRequestError",
     "ModelNotFoundError",
+    "QueueFullError",
     "UnsupportedModelError",
 ]

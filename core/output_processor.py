@@ -74,6 +74,12 @@ class OutputProcessor:
             request = self._requests.get(delta.request_id)
             if request is None:  # aborted here, and the abort had not reached the core yet
                 continue
+            if delta.error is not None:  # its step failed in the core: it ended there
+                del self._requests[request.request_id]
+                metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time, now)
+                outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
+                                             metrics, delta.error))
+                continue
             completions = [c for c in (self._advance(request, s, stops) for s in delta.sequences) if c is not None]
             if not completions:
                 continue

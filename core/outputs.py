@@ -41,6 +41,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when a step running this request failed: it ended there (its outputs hold what it made before).
+    error: str | None = None
 
     # The first completion's fields, for the common n=1 case.
     @property

@@ -8,6 +8,8 @@ from pagedllm.errors import InvalidRequestError
 from pagedllm.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+# A seed seeds a torch.Generator and crosses to the engine core as MessagePack: both take a signed 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclasses.dataclass
@@ -76,8 +78,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}")
 

@@ -97,3 +97,10 @@ def test_penalties_lower_repeated_tokens():
     assert Sampler(0)(logits.clone(), [r]).token_ids == [1]
     r = Request("q", [0], SamplingParams(temperature=0, repetition_penalty=2.0))  # 0 is in the prompt
     assert Sampler(0)(logits.clone(), [r]).token_ids == [1]
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**80])
+def test_a_seed_past_64_bits_is_refused(seed):
+    with pytest.raises(InvalidRequestError, match="seed must be an integer in") as info:
+        SamplingParams(seed=seed)
+    assert info.value.param == "seed"

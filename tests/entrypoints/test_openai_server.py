@@ -281,6 +281,10 @@ BAD_REQUESTS = {
     "logit-bias-key": (COMPLETIONS, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
     "image-content": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                       400, "messages", "'image_url' are not supported"),
+    "seed-past-64-bits": (COMPLETIONS, {"prompt": "x", "seed": 2**80}, 400, "seed", "less than or equal to"),
+    "seed-past-64-bits-chat": (CHAT, {"messages": USER, "seed": -(2**70)}, 400, "seed", "greater than or equal"),
+    "no-messages": (CHAT, {"messages": []}, 400, "messages", "at least 1 item"),
+    "tokenize-no-messages": ("/tokenize", {"messages": []}, 400, "messages", "at least 1 item"),
     "unknown-model": (COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
 }
 

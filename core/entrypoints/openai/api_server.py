@@ -17,10 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagedllm import __version__
 from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.config import EngineArgs
+from pagedllm.errors import QueueFullError
 from pagedllm.entrypoints.openai.chat import create_chat_completion
 from pagedllm.entrypoints.openai.cli_args import ServerConfig
 from pagedllm.entrypoints.openai.completions import create_completion
-from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers, queue_full
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
@@ -49,6 +50,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pagedllm", version=__version__)
     install_error_handlers(app)
+
+    @app.exception_handler(QueueFullError)
+    async def rejected(request: Request, exc: QueueFullError) -> JSONResponse:
+        metrics.rejected.inc()
+        return queue_full(str(exc))
+
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_size)
     if config.api_key:  # added last: runs first
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)

@@ -9,10 +9,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.async_engine import EngineDeadError
+from pagedllm.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedllm.server")
+RETRY_AFTER_SECONDS = 1  # a queue drains at the pace of steps: soon worth another try
 
 class OpenAIError(Exception):
     """A request failure the client should see with this status, message and parameter."""
@@ -32,6 +33,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def queue_full(message: str) -> JSONResponse:
+    """503 and when to retry, as Text Generation Inference answers its --max-concurrent-requests limit."""
+    response = error_response(503, message, code="queue_full")
+    response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return response
 
 
 def body_too_large_message(max_bytes: int) -> str:
@@ -82,6 +90,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc))
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

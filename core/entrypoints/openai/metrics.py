@@ -73,6 +73,8 @@ class ServerMetrics:
                                      "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=self.registry)
+        self.rejected = Counter("pagedllm:requests_rejected", "Requests refused because --max-waiting-requests "
+                                "were already queued.", LABELS, registry=self.registry).labels(*label_values)
         self._label_values = label_values
 
     def observe(self, step: StepLatencies) -> None:
@@ -82,6 +84,8 @@ class ServerMetrics:
         for seconds in step.inter_token_latency:
             self.inter_token_latency.observe(seconds)
         for output in step.finished:
+            if output.error is not None:  # its step failed: not a success, no latency to speak of
+                continue
             metrics = output.metrics
             self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
             num_tokens = max(len(c.token_ids) for c in output.outputs)

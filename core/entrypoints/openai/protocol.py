@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.response_format import StructuredOutputFields
 from pagedllm.entrypoints.openai.tool_calls import ToolFields
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from pagedllm.structured_output import StructuredOutputsParams
 
 # Fields a client may send with a value that asks for nothing: accepted and ignored.
@@ -46,7 +46,7 @@ class _GenerationRequest(StructuredOutputFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None  # informational
     # vLLM's extra sampling parameters
     top_k: int | None = None
@@ -145,7 +145,7 @@ class ChatTemplateFields(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest, ChatTemplateFields, ToolFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)  # chat templates index messages[0]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens; wins when both are given
     logprobs: bool | None = False
@@ -175,7 +175,7 @@ class TokenizeRequest(ChatTemplateFields):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
 
 

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream
+from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
 from pagedllm.errors import InvalidRequestError
@@ -94,6 +94,8 @@ async def sse_events(events: AsyncIterator[dict], stream: OutputStream) -> Async
             yield sse(event)
     except EngineDeadError as exc:
         yield sse(error_body(503, str(exc)))
+    except RequestFailedError as exc:
+        yield sse(error_body(500, str(exc)))
     finally:
         stream.abort()
     yield SSE_DONE

@@ -1,0 +1,150 @@
+"""A step that raises (in backend.execute or in the sampler) ends only the requests it ran, with an error; their
+blocks are freed and what it published in the prefix cache is withdrawn; the engine serves the others and later
+requests. Too many failed steps in a row kill it. On a tiny Llama, through the test-only ``faulty`` backend plugin
+(the cpu backend, raising on command)."""
+
+from __future__ import annotations
+
+import pytest
+
+import faulty_backend
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.engine import LLMEngine
+from pagedllm.plugins.manager import register_plugin, unregister_plugin
+from tiny_models import build_model
+
+PROMPTS = {"a": [1, 5, 9, 13, 17], "b": [2, 4, 6, 8], "c": [3, 7, 11, 15, 19, 23], "d": [30, 31, 32]}
+LONG_PROMPT = list(range(10, 40))  # 3 full blocks of 8 and a partial one
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model("llama", tmp_path_factory.mktemp("faults") / "llama")
+
+
+@pytest.fixture
+def faults(monkeypatch, tmp_path):
+    """The faulty backend registered in-process; the file that arms it."""
+    register_plugin(faulty_backend, name=faulty_backend.NAME)
+    path = tmp_path / "faults"
+    monkeypatch.setenv(faulty_backend.FAULTS_ENV, str(path))
+    yield path
+    unregister_plugin(faulty_backend.NAME)
+
+
+def engine(model, **kwargs) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        model=str(model), backend=faulty_backend.NAME, dtype="float32", kv_cache_space=0.01, max_num_seqs=2,
+        **kwargs))
+
+
+def run(engine: LLMEngine, outputs: dict | None = None) -> dict:
+    """Step until idle: {request id: final output}."""
+    outputs = {} if outputs is None else outputs
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    return outputs
+
+
+def add(engine: LLMEngine, *names: str, prompts=PROMPTS) -> None:
+    for name in names:
+        engine.add_request(name, prompts[name], GREEDY)
+
+
+def assert_nothing_held(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert engine.unfinished_request_ids() == [] and engine.scheduler.requests == {}
+
+
+def fail_the_sampler_once(engine: LLMEngine, monkeypatch) -> None:
+    sampler = engine.sampler
+
+    def once(*args):
+        monkeypatch.setattr(engine, "sampler", sampler)
+        raise RuntimeError("injected sampler fault")
+
+    monkeypatch.setattr(engine, "sampler", once)
+
+
+@pytest.mark.parametrize("where", ["backend", "sampler"])
+def test_a_failing_step_fails_only_its_requests(model, faults, monkeypatch, where):
+    e = engine(model)
+    add(e, *PROMPTS)
+    expected = {name: out.outputs[0].token_ids for name, out in run(e).items()}
+
+    add(e, *PROMPTS)  # max_num_seqs 2: a and b run, c and d wait
+    e.step()
+    if where == "backend":
+        faulty_backend.arm(faults)
+    else:
+        fail_the_sampler_once(e, monkeypatch)
+    failed = e.step()
+    assert {o.request_id for o in failed} == {"a", "b"}
+    assert all(o.finished and o.error and "injected" in o.error and o.outputs == [] for o in failed)
+    assert e.stats().kv_blocks_used == 0  # a's and b's blocks are back; c and d have not started
+    rest = run(e)
+    assert {name: out.outputs[0].token_ids for name, out in rest.items()} == {"c": expected["c"], "d": expected["d"]}
+    assert all(out.error is None for out in rest.values())
+
+    add(e, "a")  # the failed request, again
+    assert run(e)["a"].outputs[0].token_ids == expected["a"]
+    assert_nothing_held(e)
+    e.shutdown()
+
+
+@pytest.mark.parametrize("where", ["backend", "sampler"])
+def test_no_later_request_reuses_the_blocks_of_a_failed_prefill(model, faults, monkeypatch, where):
+    """The cpu backend publishes a prompt's full blocks when they are allocated, the engine after a step ran: a
+    fault in the backend or in the sampler leaves published blocks that must be withdrawn."""
+    e = engine(model, enable_prefix_caching=True)
+    prompts = {"long": LONG_PROMPT}
+    add(e, "long", prompts=prompts)
+    expected = run(e)["long"].outputs[0].token_ids
+    num_cached = len(e.kv_manager.prefix_cache)
+    e.shutdown()
+
+    e = engine(model, enable_prefix_caching=True)
+    add(e, "long", prompts=prompts)
+    if where == "backend":
+        faulty_backend.arm(faults)
+    else:
+        fail_the_sampler_once(e, monkeypatch)
+    [failed] = e.step()
+    assert failed.error is not None
+    assert len(e.kv_manager.prefix_cache) == 0
+    add(e, "long", prompts=prompts)
+    assert run(e)["long"].outputs[0].token_ids == expected
+    assert e.stats().prefix_cache_hits == 0
+    assert len(e.kv_manager.prefix_cache) == num_cached  # what the retry computed is cached as usual
+    e.shutdown()
+
+
+def test_consecutive_failures_kill_the_engine_and_a_success_resets_the_count(model, faults):
+    e = engine(model, max_consecutive_step_failures=2)
+    for _ in range(2):  # fail, succeed: never two in a row
+        add(e, "a")
+        faulty_backend.arm(faults)
+        assert e.step()[0].error is not None
+        add(e, "a")
+        assert run(e)["a"].error is None
+    add(e, "a")
+    faulty_backend.arm(faults, 2)
+    assert e.step()[0].error is not None
+    add(e, "b")
+    with pytest.raises(faulty_backend.InjectedFault):
+        e.step()
+    e.shutdown()
+
+
+def test_llm_generate_reports_the_error_on_the_output(model, faults):
+    llm = LLM(str(model), backend=faulty_backend.NAME, dtype="float32", kv_cache_space=0.01, max_num_seqs=1)
+    faulty_backend.arm(faults)
+    first, second = llm.generate([PROMPTS["a"], PROMPTS["b"]], GREEDY, use_tqdm=False)
+    assert "injected fault" in first.error and first.outputs == []
+    assert second.error is None and len(second.outputs[0].token_ids) == 6
+    llm.shutdown()
