@@ -19,7 +19,7 @@ from pagedllm.backend import Backend, ModelInfo
 from pagedllm.batch_builder import BatchBuilder
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.errors import ConfigError, InvalidRequestError, QueueFullError
+from pagedllm.errors import BackendDeadError, ConfigError, InvalidRequestError, QueueFullError
 from pagedllm.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.logger import configure_logging
 from pagedllm.memory import available_memory_bytes
@@ -222,13 +222,13 @@ class LLMEngine:
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step raised: end the requests it ran with an error and free their blocks, so the others go on. What it
         published in the prefix cache is withdrawn: those blocks may be half written. Re-raises (the engine is
-        dead) once ``max_consecutive_step_failures`` steps in a row have failed."""
+        dead) once ``max_consecutive_step_failures`` steps in a row have failed, or when the backend is dead."""
         self._consecutive_failures += 1
         group_ids = list(dict.fromkeys(item.request.group_id for item in sched.scheduled))
         limit = self.config.max_consecutive_step_failures
         logger.error("a step failed (%d in a row, the engine stops at %d) running requests %s",
                      self._consecutive_failures, limit, ", ".join(group_ids), exc_info=exc)
-        if self._consecutive_failures >= limit:
+        if self._consecutive_failures >= limit or isinstance(exc, BackendDeadError):
             raise exc
         for item in sched.scheduled:
             self.kv_manager.unpublish_step(item.request)

@@ -21,6 +21,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class BackendDeadError(RuntimeError):
+    """The backend cannot run any further step (a worker process died): the engine stops at once instead of
+    failing only the step's requests."""
+
+
 class QueueFullError(RuntimeError):
     """The engine already holds ``max_waiting_requests`` queued requests: try again later."""
 
@@ -34,6 +39,7 @@ class UnsupportedModelError(ValueError):
 
 
 __all__ = [
+    "BackendDeadError",
     "BackendNotFoundError",
     "ConfigError",
     "InvalidRequestError",

@@ -11,6 +11,7 @@ import faulty_backend
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine import LLMEngine
+from pagedllm.errors import BackendDeadError
 from pagedllm.plugins.manager import register_plugin, unregister_plugin
 from tiny_models import build_model
 
@@ -137,6 +138,20 @@ def test_consecutive_failures_kill_the_engine_and_a_success_resets_the_count(mod
     assert e.step()[0].error is not None
     add(e, "b")
     with pytest.raises(faulty_backend.InjectedFault):
+        e.step()
+    e.shutdown()
+
+
+def test_a_dead_backend_stops_the_engine_at_its_first_failure(model, faults, monkeypatch):
+    """A backend that cannot run further steps (a worker process died) says so with BackendDeadError: no retries."""
+    e = engine(model)
+    add(e, "a")
+
+    def dead(batch):
+        raise BackendDeadError("worker 1 died")
+
+    monkeypatch.setattr(e.backend, "execute", dead)
+    with pytest.raises(BackendDeadError, match="worker 1 died"):
         e.step()
     e.shutdown()
 

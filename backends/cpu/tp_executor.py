@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.backend import ModelInfo
 from pagedllm.batch import Batch
+from pagedllm.errors import BackendDeadError
 from pagedllm.backends.cpu import tp_wire
 from pagedllm.backends.cpu.sharding import check_shardable
 from pagedllm.backends.cpu.tp_launch import exit_reason, start_rank
@@ -34,7 +35,7 @@ _DEATH_GRACE_S = 1.0
 _STOP_TIMEOUT_S = 10.0
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(BackendDeadError):
     """A tensor-parallel rank failed or died; the ranks cannot run further steps."""
 
 
