@@ -86,7 +86,9 @@ def test_freed_memory_stays_in_the_process():
     assert "keeping freed memory" in log
     assert not untuned["in_heap"] and tuned["in_heap"]  # glibc's default: above 128 KiB, mmap
     assert tuned["heap_kept"]
-    assert sum(tuned["faults"][2:]) < 4096, tuned  # each round writes 17,700 pages
+    # the heap grows over the first rounds while its free blocks settle into a reusable layout (up to 11,000
+    # further pages in round 2 or 3, varying run to run); from then on a round reuses them
+    assert sum(tuned["faults"][3:]) < 4096, tuned  # each round writes 17,700 pages
 
 
 def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
