@@ -43,13 +43,13 @@ def run_serving_case(cmd: list[str], env: dict[str, str], port: int, workload: P
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(server, port, log_path)
+            wait_ready(server, port, log_path)
             bench = [sys.executable, "-m", "pagedllm.bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                      "--workload", str(workload), "--request-rate", str(request_rate), "--seed", str(seed),
                      "--output-json", str(out)]
             proc = subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
             if proc.returncode != 0 or not out.is_file():
-                raise RuntimeError(f"the benchmark failed (exit {proc.returncode}):\n{_tail(log_path)}")
+                raise RuntimeError(f"the benchmark failed (exit {proc.returncode}):\n{log_tail(log_path)}")
         finally:
             server.terminate()
             try:
@@ -60,19 +60,19 @@ def run_serving_case(cmd: list[str], env: dict[str, str], port: int, workload: P
     return json.loads(out.read_text())
 
 
-def _wait_ready(server: subprocess.Popen, port: int, log_path: Path) -> None:
+def wait_ready(server: subprocess.Popen, port: int, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}:\n{_tail(log_path)}")
+            raise RuntimeError(f"the server exited with {server.returncode}:\n{log_tail(log_path)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the server did not answer /health in {START_TIMEOUT:.0f} s:\n{_tail(log_path)}")
+    raise RuntimeError(f"the server did not answer /health in {START_TIMEOUT:.0f} s:\n{log_tail(log_path)}")
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

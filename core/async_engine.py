@@ -170,6 +170,11 @@ class AsyncLLMEngine:
     def dead(self) -> EngineDeadError | None:
         return self._dead
 
+    @property
+    def requests_tracked(self) -> int:
+        """Entries of this front's per-request tables (read from any thread); above 0 when idle means a leak."""
+        return len(self._routes) + self._core.requests_tracked
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Abort what is in flight, shut the engine down and end its thread (and process)."""
         self._core.stop(timeout)
@@ -249,6 +254,8 @@ class _ThreadCore:
         self._thread = threading.Thread(target=self._run, args=(args, ready), name="pagedllm-engine", daemon=True)
         self._thread.start()
         self.engine: LLMEngine = ready.result()  # re-raises what the construction raised
+
+    requests_tracked = 0  # the engine's tables are in its stats
 
     def submit(self, command) -> None:
         self._commands.put(command)
@@ -360,6 +367,10 @@ class _ProcessCore:
         self._stopping = False
         self._thread = threading.Thread(target=self._receive, name="pagedllm-front-end", daemon=True)
         self._thread.start()
+
+    @property
+    def requests_tracked(self) -> int:
+        return self.outputs.num_requests + len(self._pending)
 
     def submit(self, command) -> None:
         """Called under the front's lock, which orders it against ``_die``."""

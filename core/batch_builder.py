@@ -21,6 +21,10 @@ class BatchBuilder:
         self._row_of: dict[str, int] = {}
         self._row_len: dict[str, int] = {}
 
+    @property
+    def rows_in_use(self) -> int:
+        return len(self._row_of)
+
     def release(self, request_ids: list[str]) -> None:
         """Free the rows of requests whose blocks were freed (finished, aborted or preempted)."""
         for request_id in request_ids:

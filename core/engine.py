@@ -163,6 +163,7 @@ class LLMEngine:
             if group is not None:
                 for request in group.members:
                     self.scheduler.abort(request.request_id)
+        self._drop_released_rows()
 
     def stop_sequence(self, request_id: str, index: int) -> None:
         """End sequence ``index`` of a request as stopped (a stop string found outside the engine); its siblings
@@ -177,6 +178,7 @@ class LLMEngine:
         if group.unfinished == 0:
             del self._groups[request_id]
             self._counters.finished_requests += 1
+        self._drop_released_rows()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -197,10 +199,15 @@ class LLMEngine:
             return []
         try:
             outputs = self._run_step(sched)
+            self._consecutive_failures = 0
         except Exception as exc:
-            return self._fail_step(sched, exc)
-        self._consecutive_failures = 0
+            outputs = self._fail_step(sched, exc)
+        self._drop_released_rows()
         return outputs
+
+    def _drop_released_rows(self) -> None:
+        """Free the batch rows of requests that ended, now rather than at the next step: there may be none."""
+        self.batch_builder.release(self.scheduler.take_released())
 
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         batch, order, sampling = self.batch_builder.build(sched)
@@ -344,7 +351,8 @@ class LLMEngine:
             prefix_cache_queries=cache.queries if cache is not None else 0,
             prefix_cache_hits=cache.hits if cache is not None else 0, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, batched_tokens=c.batched_tokens,
-            steps=c.steps, finished_requests=c.finished_requests)
+            steps=c.steps, finished_requests=c.finished_requests,
+            requests_tracked=len(self.scheduler.requests) + len(self._groups) + self.batch_builder.rows_in_use)
 
     def release_thread(self) -> None:
         """The calling thread is done stepping for now; the backend undoes its per-thread settings."""

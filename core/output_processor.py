@@ -51,6 +51,10 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self._requests: dict[str, _Request] = {}
 
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float) -> None:
         self._requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, arrival_time,

@@ -96,6 +96,11 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def take_released(self) -> list[str]:
+        """The requests whose blocks were freed since the last call (their batch rows are to be dropped)."""
+        released, self._released = self._released, []
+        return released
+
     def _release(self, request: Request) -> None:
         if request.block_ids:
             self.kv.free(request)
@@ -143,10 +148,12 @@ class Scheduler:
             scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
             budget -= num_new
 
+        # seats: running sequences, and the siblings that running n > 1 requests will fork once their prompt is in
+        seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            if len(self.running) + 1 + request.num_pending_forks > self.max_num_seqs:
-                break  # its n - 1 siblings will join the running set too
+            if seats + 1 + request.num_pending_forks > self.max_num_seqs:
+                break
             cached = self.kv.get_computed_blocks(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new = request.num_tokens - num_cached_tokens
@@ -163,13 +170,13 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             self.running.append(request)
+            seats += 1 + request.num_pending_forks
             scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
             budget -= num_new
 
-        released, self._released = self._released, []
         return SchedulerOutput(
             scheduled=list(scheduled.values()),
-            released_ids=released,
+            released_ids=self.take_released(),
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted=preempted,
         )

@@ -23,6 +23,7 @@ class EngineStats:
     batched_tokens: int = 0  # tokens computed in steps, prompts and outputs
     steps: int = 0
     finished_requests: int = 0
+    requests_tracked: int = 0  # entries of the engine's per-request tables; above 0 when idle means a leak
 
     @property
     def kv_cache_usage(self) -> float:

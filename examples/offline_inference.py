@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, backend=args.backend)
-    # seed: the same text on every run, whatever else is in the batch
+    # seed: the same text on every run of the same batch (in float32, whatever else is in the batch)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=args.max_tokens)
     for output in llm.generate(PROMPTS, params, use_tqdm=False):
         print(f"{output.prompt!r} -> {output.text!r} ({len(output.token_ids)} tokens, {output.finish_reason})")

@@ -24,14 +24,14 @@ def free_port() -> int:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """/metrics parsed with prometheus-client's parser, histogram buckets left out: {sample name: value}, with a
-    finished_reason label as 'name[reason]'."""
+    label beyond the model and engine ones as 'name[value]' (finished_reason, table)."""
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if "le" in sample.labels:
                 continue
-            reason = sample.labels.get("finished_reason")
-            samples[sample.name + (f"[{reason}]" if reason else "")] = sample.value
+            extra = [value for label, value in sample.labels.items() if label not in ("model_name", "engine")]
+            samples[sample.name + (f"[{','.join(extra)}]" if extra else "")] = sample.value
     return samples
 
 
@@ -76,12 +76,14 @@ class ServerProcess:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text)
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits and the KV cache is empty; returns the last metrics."""
+        """Poll /metrics until no request runs or waits, the KV cache is empty and no table holds a request; returns
+        the last metrics."""
         deadline = time.monotonic() + timeout
         while True:
             metrics = self.metrics()
             idle = (metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
-                    and metrics["vllm:kv_cache_usage_perc"] == 0)
+                    and metrics["vllm:kv_cache_usage_perc"] == 0 and metrics["pagedllm:requests_tracked[engine]"] == 0
+                    and metrics["pagedllm:requests_tracked[front_end]"] == 0)
             if idle or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.05)

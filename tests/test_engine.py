@@ -86,7 +86,14 @@ def test_abort_frees_blocks(llm):
     assert engine.kv_manager.allocator.num_used > 0
     engine.abort_request("a")
     assert engine.kv_manager.allocator.num_used == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().requests_tracked == 0  # its batch row too, though no step follows
     assert engine.step() == []
+
+
+def test_an_idle_engine_tracks_no_request(llm):
+    llm.generate(["a b c", "d e"], SamplingParams(max_tokens=3, n=2, ignore_eos=True, stop=["zz"]), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.requests_tracked == 0 and stats.kv_blocks_used == 0
 
 
 def test_chat_uses_the_template(llm):

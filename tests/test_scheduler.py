@@ -67,6 +67,16 @@ def test_max_num_seqs_limits_admission():
     assert [r.request_id for r in sched.waiting] == ["c"]
 
 
+def test_max_num_seqs_keeps_seats_for_the_siblings_of_admitted_requests():
+    """n = 3: each request's two siblings join the running set once its prompt is in, so the first step admits two
+    requests (6 sequences) of 8 seats, not all of them (the soak found 18 sequences running in 8 batch rows)."""
+    sched, _ = make(max_seqs=8)
+    for rid in "abcd":
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(n=3, max_tokens=8)))
+    assert [rid for rid, _ in plan(step(sched))] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c", "d"]
+
+
 def test_blocks_follow_the_tokens():
     sched, kv = make()
     r = add(sched, "a", 4)

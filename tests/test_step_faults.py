@@ -60,6 +60,7 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
     assert engine.unfinished_request_ids() == [] and engine.scheduler.requests == {}
+    assert stats.requests_tracked == 0
 
 
 def fail_the_sampler_once(engine: LLMEngine, monkeypatch) -> None:

@@ -64,11 +64,14 @@ def test_a_failed_step_fails_its_request_and_the_server_goes_on(start_faulty, mo
     assert complete(api).choices[0].text == expected
     metrics = server.wait_idle()
     assert metrics["vllm:kv_cache_usage_perc"] == 0 and metrics["vllm:num_requests_running"] == 0
+    assert metrics["pagedllm:requests_tracked[engine]"] == metrics["pagedllm:requests_tracked[front_end]"] == 0
+    assert metrics["pagedllm:requests_failed_total"] == 2
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_failures_in_a_row_kill_the_engine_and_serve_exits_1(start_faulty, mode):
-    server, api, faults = start_faulty("--max-consecutive-step-failures", "2", *MODES[mode])
+    server, api, faults = start_faulty("--max-consecutive-step-failures", "2", "--shutdown-timeout", "2",
+                                       *MODES[mode])
     faulty_backend.arm(faults, 2)
     with pytest.raises(openai.InternalServerError) as first:
         complete(api)

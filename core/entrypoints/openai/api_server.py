@@ -32,9 +32,9 @@ from pagedllm.model_source import load_tokenizer
 
 logger = logging.getLogger("pagedllm.server")
 
-# How long a server whose engine died goes on answering (503, and errors to open requests) before it exits:
-# health checks see why, and a supervisor then restarts it.
-DEAD_ENGINE_GRACE = 5.0
+# After --shutdown-timeout, the requests still in flight are ended with an error event; this is how long their
+# responses then have to be written before uvicorn cuts the connections.
+FLUSH_SECONDS = 5.0
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -121,14 +121,15 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, config)
         log_level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                               timeout_graceful_shutdown=config.shutdown_timeout))
+        server = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_SECONDS),
+                                 engine, config.shutdown_timeout)
 
         def engine_died(error: EngineDeadError) -> None:
             died.append(error)
-            logger.error("the engine is dead (%s): answering 503 for %g s, then exiting with status 1",
-                         error, DEAD_ENGINE_GRACE)
-            threading.Timer(DEAD_ENGINE_GRACE, lambda: setattr(server, "should_exit", True)).start()
+            logger.error("the engine is dead (%s): answering 503 for %g s (--shutdown-timeout), then exiting with "
+                         "status 1", error, config.shutdown_timeout)
+            _daemon_timer(config.shutdown_timeout, lambda: setattr(server, "should_exit", True))
 
         engine.on_dead = engine_died
         _exit_zero_after_graceful_stop()
@@ -141,6 +142,36 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0 if server.started and not died else 1
+
+
+class _DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT, uvicorn stops accepting connections and waits for those open; requests in flight get
+    ``drain_seconds`` to finish, then the engine is shut down, so each ends with an error event (or a 503) instead
+    of a connection cut mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_seconds = drain_seconds
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            logger.info("%s: requests in flight have %g s (--shutdown-timeout) to finish",
+                        signal.Signals(sig).name, self.drain_seconds)
+            _daemon_timer(self.drain_seconds, self._end_requests_in_flight)
+        super().handle_exit(sig, frame)
+
+    def _end_requests_in_flight(self) -> None:
+        if self.engine.requests_tracked:
+            logger.warning("--shutdown-timeout passed: ending the %d requests still in flight with an error",
+                           self.engine.requests_tracked)
+        self.engine.shutdown()
+
+
+def _daemon_timer(seconds: float, action) -> None:
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True  # a server that stopped sooner does not wait for it
+    timer.start()
 
 
 def _exit_zero_after_graceful_stop() -> None:

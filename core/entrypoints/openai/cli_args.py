@@ -42,8 +42,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=f"largest request body accepted; larger ones get a 413 "
                              f"(default {DEFAULT_MAX_REQUEST_SIZE}, 10 MiB)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, how long requests in flight may run before they are aborted "
-                             "(default 30)")
+                        help="on SIGTERM, how long requests in flight may run before they end with an error; "
+                             "also how long a server whose engine died answers 503 before it exits 1 (default 30)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let chat requests with tools use tool_choice "auto" (the default with tools): the '

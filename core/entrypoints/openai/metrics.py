@@ -50,6 +50,12 @@ class _EngineStatsCollector:
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self.label_values, value)
             yield counter
+        tracked = GaugeMetricFamily("pagedllm:requests_tracked", "Entries of the per-request tables of the engine "
+                                    "and of the server's front end; above 0 when idle means a leak.",
+                                    labels=LABELS + ("table",))
+        tracked.add_metric(self.label_values + ["engine"], stats.requests_tracked)
+        tracked.add_metric(self.label_values + ["front_end"], self.engine.requests_tracked)
+        yield tracked
 
 
 class ServerMetrics:
@@ -75,6 +81,8 @@ class ServerMetrics:
                                 LABELS + ("finished_reason",), registry=self.registry)
         self.rejected = Counter("pagedllm:requests_rejected", "Requests refused because --max-waiting-requests "
                                 "were already queued.", LABELS, registry=self.registry).labels(*label_values)
+        self.failed = Counter("pagedllm:requests_failed", "Requests ended by an engine step that raised.", LABELS,
+                              registry=self.registry).labels(*label_values)
         self._label_values = label_values
 
     def observe(self, step: StepLatencies) -> None:
@@ -85,6 +93,7 @@ class ServerMetrics:
             self.inter_token_latency.observe(seconds)
         for output in step.finished:
             if output.error is not None:  # its step failed: not a success, no latency to speak of
+                self.failed.inc()
                 continue
             metrics = output.metrics
             self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)

@@ -1,0 +1,389 @@
+"""Soak: many mixed requests through a real ``pagedllm serve``, then checks that nothing leaked.
+
+The mix (seeded): streamed and whole completions and chats, n > 1, stop strings, seeded sampling (each seeded
+request is sent twice and must come back the same), streams dropped at a random point, streams dropped before their
+first token (most of them still queued), bad sampling parameters and prompts longer than the model (both must get a
+400 in OpenAI's error format). No request may get a 5xx. In bf16 the logits depend slightly on the batch's shape, so
+a seeded pair may differ: those are counted, and fail the soak only when the server runs ``--dtype float32``.
+
+Afterwards: the KV cache is empty, the engine's and the front end's request tables are empty (``/metrics``), every
+valid request was answered, and the server's peak RSS (its engine-core process included) grew by less than
+``--max-rss-growth`` between the first and the last quarter of the requests after warm-up.
+
+    python benchmarks/soak.py --requests 2000                   # the embedded SmolLM2
+    python benchmarks/soak.py MODEL --requests 300 -- --dtype float32 --max-num-seqs 8
+
+Prints a JSON summary (``--output-json`` keeps it) and exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving_case import free_port, log_tail, wait_ready  # noqa: E402
+
+# What each request of the mix is, with its weight.
+KINDS = {"stream": 20, "complete": 12, "chat_stream": 12, "chat": 6, "n": 8, "stop": 8, "seeded": 8,
+         "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
+BAD_PARAMS = [{"temperature": -1}, {"top_p": 1.5}, {"max_tokens": -5}, {"n": 0}, {"presence_penalty": 5},
+              {"top_k": -5}, {"seed": 2 ** 80}, {"logprobs": -1}, {"stop": 5}]
+WORDS = ("the of and to in is was for on that with as by at from his her an which have were are this be one "
+         "city river paris london music science history water light north south story").split()
+# A bounded KV cache: its pages are faulted in as blocks are first used, which is growth by design, not a leak.
+DEFAULT_SERVER_ARGS = ["--max-num-seqs", "16", "--enable-prefix-caching", "--kv-cache-space", "0.5"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    kind: str
+    ok: bool
+    status: int | None = None
+    problem: str | None = None
+    seconds: float = 0.0
+    diverged: bool = False  # a seeded pair that came back as two texts
+
+
+class RSSSampler:
+    """Samples the server's resident size (its process and descendants) every ``interval`` s, tagged with how
+    many requests had finished."""
+
+    def __init__(self, pid: int, progress, interval: float = 0.1) -> None:
+        self.pid, self.progress, self.interval = pid, progress, interval
+        self.samples: list[tuple[int, int]] = []  # (requests finished, bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "RSSSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            rss = sum(_rss(pid) for pid in _process_tree(self.pid))
+            self.samples.append((self.progress(), rss))
+
+
+def _process_tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                todo += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_growth(samples: list[tuple[int, int]], warmup: int, total: int) -> dict:
+    """Peak RSS in the first and the last quarter of the requests after warm-up, and the growth between them."""
+    span = (total - warmup) / 4
+    first = [rss for done, rss in samples if warmup <= done < warmup + span]
+    last = [rss for done, rss in samples if done >= total - span]
+    tenths = [[rss for done, rss in samples if total * i / 10 <= done < total * (i + 1) / 10] for i in range(10)]
+    trace = [round(max(t) / 2 ** 20, 1) if t else None for t in tenths]
+    if not first or not last:
+        return {"first_quarter_peak_mib": None, "last_quarter_peak_mib": None, "growth": None,
+                "peak_mib_by_tenth": trace}
+    return {"first_quarter_peak_mib": round(max(first) / 2 ** 20, 1),
+            "last_quarter_peak_mib": round(max(last) / 2 ** 20, 1), "growth": round(max(last) / max(first) - 1, 4),
+            "peak_mib_by_tenth": trace}
+
+
+class Soak:
+    def __init__(self, http: httpx.AsyncClient, model: str, max_model_len: int, seed: int) -> None:
+        self.http, self.model, self.max_model_len = http, model, max_model_len
+        self.rng = random.Random(seed)
+        self.finished = 0
+
+    def prompt(self) -> str:
+        return " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 40)))
+
+    def plan(self, count: int) -> list[tuple[str, dict]]:
+        """The requests, in order: (kind, its arguments), drawn from the seeded generator."""
+        kinds = self.rng.choices(list(KINDS), weights=list(KINDS.values()), k=count)
+        return [(kind, {"prompt": self.prompt(), "max_tokens": self.rng.randint(1, 32),
+                        "drop_after": self.rng.randint(1, 4), "bad": self.rng.choice(BAD_PARAMS),
+                        "n": self.rng.randint(2, 3), "seed": self.rng.randint(0, 2 ** 31),
+                        "stop": self.rng.choice(WORDS[:10])}) for kind in kinds]
+
+    async def run(self, kind: str, spec: dict) -> Outcome:
+        start = time.monotonic()
+        try:
+            outcome = await getattr(self, f"_{kind}")(spec)
+        except (httpx.TransportError, ValueError, KeyError) as exc:
+            outcome = Outcome(kind, False, problem=f"{type(exc).__name__}: {exc}")
+        outcome.kind, outcome.seconds = kind, time.monotonic() - start
+        self.finished += 1
+        return outcome
+
+    # -- the kinds ---------------------------------------------------------------------------------
+    def _completion(self, spec: dict, **extra) -> dict:
+        return {"model": self.model, "prompt": spec["prompt"], "max_tokens": spec["max_tokens"], **extra}
+
+    def _chat_body(self, spec: dict, **extra) -> dict:
+        return {"model": self.model, "messages": [{"role": "user", "content": spec["prompt"]}],
+                "max_tokens": spec["max_tokens"], **extra}
+
+    async def _stream(self, spec: dict) -> Outcome:
+        return await self._read_stream("/v1/completions", self._completion(spec, stream=True))
+
+    async def _chat_stream(self, spec: dict) -> Outcome:
+        return await self._read_stream("/v1/chat/completions", self._chat_body(spec, stream=True))
+
+    async def _complete(self, spec: dict) -> Outcome:
+        response = await self.http.post("/v1/completions", json=self._completion(spec))
+        return _answered(response, choices=1)
+
+    async def _chat(self, spec: dict) -> Outcome:
+        response = await self.http.post("/v1/chat/completions", json=self._chat_body(spec))
+        return _answered(response, choices=1)
+
+    async def _n(self, spec: dict) -> Outcome:
+        body = self._completion(spec, n=spec["n"], temperature=0.9, seed=spec["seed"])
+        return _answered(await self.http.post("/v1/completions", json=body), choices=spec["n"])
+
+    async def _stop(self, spec: dict) -> Outcome:
+        body = self._completion(spec, stop=[spec["stop"]], temperature=0.9)
+        response = await self.http.post("/v1/completions", json=body)
+        outcome = _answered(response, choices=1)
+        if outcome.ok and spec["stop"] in response.json()["choices"][0]["text"]:
+            return Outcome("", False, 200, "the stop string is in the text")
+        return outcome
+
+    async def _seeded(self, spec: dict) -> Outcome:
+        body = self._completion(spec, temperature=1.0, top_p=0.9, seed=spec["seed"])
+        first, second = [await self.http.post("/v1/completions", json=body) for _ in range(2)]
+        outcome = _answered(first, choices=1)
+        outcome.diverged = outcome.ok and first.json()["choices"][0]["text"] != second.json()["choices"][0]["text"]
+        return outcome
+
+    async def _drop_mid_stream(self, spec: dict) -> Outcome:
+        body = self._completion(spec, stream=True, max_tokens=64, ignore_eos=True)
+        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return Outcome("", False, response.status_code, "refused")
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events >= spec["drop_after"]:
+                    break  # leaving the block closes the connection: the server must abort the request
+        return Outcome("", True, 200)
+
+    async def _drop_before_first_token(self, spec: dict) -> Outcome:
+        body = self._completion(spec, stream=True, max_tokens=64, ignore_eos=True)
+        async with self.http.stream("POST", "/v1/completions", json=body) as response:
+            return Outcome("", response.status_code == 200, response.status_code)
+
+    async def _bad_params(self, spec: dict) -> Outcome:
+        outcome = _refused(await self.http.post("/v1/completions", json=self._completion(spec, **spec["bad"])))
+        if not outcome.ok:
+            outcome.problem = f"{spec['bad']}: {outcome.problem}"
+        return outcome
+
+    async def _oversize(self, spec: dict) -> Outcome:
+        body = self._completion(spec, prompt=" ".join(["word"] * (self.max_model_len + 10)))
+        return _refused(await self.http.post("/v1/completions", json=body))
+
+    async def _read_stream(self, path: str, body: dict) -> Outcome:
+        finish_reason = None
+        done = False
+        async with self.http.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                return Outcome("", False, response.status_code, (await response.aread()).decode()[:200])
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    return Outcome("", False, 200, f"error event: {event['error']['message']}")
+                finish_reason = event["choices"][0]["finish_reason"] if event["choices"] else finish_reason
+        if not done or finish_reason not in ("stop", "length"):
+            return Outcome("", False, 200, f"the stream ended with finish_reason {finish_reason}, [DONE] {done}")
+        return Outcome("", True, 200)
+
+
+def _answered(response: httpx.Response, choices: int) -> Outcome:
+    if response.status_code != 200:
+        return Outcome("", False, response.status_code, response.text[:200])
+    got = response.json()["choices"]
+    if len(got) != choices or any(c["finish_reason"] not in ("stop", "length") for c in got):
+        return Outcome("", False, 200, f"choices {[c['finish_reason'] for c in got]}")
+    return Outcome("", True, 200)
+
+
+def _refused(response: httpx.Response) -> Outcome:
+    if response.status_code != 400:
+        return Outcome("", False, response.status_code, f"expected 400: {response.text[:200]}")
+    error = response.json().get("error", {})
+    if set(error) != {"message", "type", "param", "code"} or not error["message"]:
+        return Outcome("", False, 400, f"not OpenAI's error format: {response.text[:200]}")
+    return Outcome("", True, 400)
+
+
+async def drive(base_url: str, requests: int, concurrency: int, seed: int, progress: list) -> tuple[list, Soak]:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]
+        soak = Soak(http, model["id"], model["max_model_len"], seed)
+        progress.append(soak)
+        plan = collections.deque(soak.plan(requests))
+        outcomes: list[Outcome] = []
+
+        async def worker() -> None:
+            while plan:
+                kind, spec = plan.popleft()
+                outcomes.append(await soak.run(kind, spec))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outcomes, soak
+
+
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               "pagedllm:requests_tracked")
+
+
+def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits, holds KV blocks or sits in a request table; the last readings."""
+    deadline = time.monotonic() + timeout
+    while True:
+        readings = idle_readings(httpx.get(base_url + "/metrics", timeout=10).text)
+        if all(v == 0 for v in readings.values()) or time.monotonic() > deadline:
+            return readings
+        time.sleep(0.1)
+
+
+def idle_readings(text: str) -> dict[str, float]:
+    """The gauges that are 0 on an idle server that leaks nothing: {name or name[table]: value}."""
+    readings = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in IDLE_GAUGES:
+                table = sample.labels.get("table")
+                readings[sample.name + (f"[{table}]" if table else "")] = sample.value
+    return readings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("model", nargs="?", help="what `pagedllm serve` takes (default: the embedded SmolLM2)")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=None, help="requests before RSS is watched (default 5%%)")
+    parser.add_argument("--max-rss-growth", type=float, default=0.05)
+    parser.add_argument("--output-json", type=Path)
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    server_args = argv[split + 1:] or DEFAULT_SERVER_ARGS  # after --: flags for `pagedllm serve`
+    warmup = args.warmup if args.warmup is not None else max(20, args.requests // 20)
+
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.mkdtemp(prefix="pagedllm-soak-")) / "server.log"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([args.model] if args.model else []),
+           "--port", str(port), "--disable-log-requests", *server_args]
+    print(f"soak: {' '.join(cmd[1:])} (log: {log_path})", file=sys.stderr)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(server, port, log_path)
+        progress: list[Soak] = []
+        start = time.monotonic()
+        with RSSSampler(server.pid, lambda: progress[0].finished if progress else 0) as rss:
+            outcomes, _ = asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, progress))
+        duration = time.monotonic() - start
+        idle = wait_idle(base_url)
+        server.terminate()
+        exit_code = server.wait(120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+    summary = summarize(outcomes, idle, rss_growth(rss.samples, warmup, args.requests), duration, exit_code)
+    float32 = any(a == "--dtype" and b == "float32" for a, b in zip(server_args, server_args[1:]))
+    failures = checks(summary, args.max_rss_growth, seeds_must_match=float32)
+    summary["failed_checks"] = failures
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.output_json:
+        args.output_json.write_text(text + "\n")
+    if failures:
+        print(f"soak: FAILED: {'; '.join(failures)}\nserver log tail:\n{log_tail(log_path)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def summarize(outcomes: list[Outcome], idle: dict, rss: dict, duration: float, exit_code: int) -> dict:
+    by_kind = collections.Counter(o.kind for o in outcomes)
+    problems = collections.defaultdict(list)
+    for outcome in outcomes:
+        if not outcome.ok:
+            problems[outcome.kind].append(f"{outcome.status}: {outcome.problem}")
+    statuses = collections.Counter(str(o.status) for o in outcomes)
+    return {"requests": len(outcomes), "duration_s": round(duration, 1),
+            "requests_per_s": round(len(outcomes) / duration, 2), "by_kind": dict(sorted(by_kind.items())),
+            "statuses": dict(sorted(statuses.items())),
+            "median_latency_s": round(statistics.median(o.seconds for o in outcomes), 3) if outcomes else None,
+            "unexpected": {kind: {"count": len(p), "first": p[:3]} for kind, p in problems.items()},
+            "seeded_pairs": {"sent": by_kind["seeded"], "diverged": sum(o.diverged for o in outcomes)},
+            "after": idle, "rss": rss, "server_exit_code": exit_code}
+
+
+def checks(summary: dict, max_rss_growth: float, seeds_must_match: bool) -> list[str]:
+    failures = []
+    if seeds_must_match and summary["seeded_pairs"]["diverged"]:
+        failures.append(f"seeded pairs gave two texts in float32: {summary['seeded_pairs']}")
+    if summary["unexpected"]:
+        failures.append(f"unexpected outcomes: {summary['unexpected']}")
+    if any(status.startswith("5") for status in summary["statuses"]):
+        failures.append(f"5xx answers: {summary['statuses']}")
+    if any(value != 0 for value in summary["after"].values()) or len(summary["after"]) != 5:
+        failures.append(f"not idle afterwards: {summary['after']}")
+    growth = summary["rss"]["growth"]
+    if growth is None or growth >= max_rss_growth:
+        failures.append(f"peak RSS grew by {growth} (limit {max_rss_growth})")
+    if summary["server_exit_code"] != 0:
+        failures.append(f"the server exited with {summary['server_exit_code']} on SIGTERM")
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
