@@ -70,6 +70,11 @@ class Backend(abc.ABC):
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block costs across all layers, keys and values (``config.block_size`` tokens)."""
 
+    def kv_caches_on_this_host(self) -> int:
+        """How many caches of the KV space setting this machine holds: one, or one per tensor-parallel rank that
+        runs here (the setting is per rank, as in vLLM), so that the core checks them all against its memory."""
+        return 1
+
     @abc.abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache for ``num_blocks`` blocks of ``config.block_size`` tokens."""

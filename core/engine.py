@@ -79,7 +79,7 @@ class LLMEngine:
             info = backend.load_model()
             config.finalize(info.max_model_len, backend_cls.default_block_size)
             backend.check_block_size(config.block_size)
-            num_blocks = _num_kv_blocks(config, backend.kv_cache_bytes_per_block())
+            num_blocks = _num_kv_blocks(config, backend.kv_cache_bytes_per_block(), backend.kv_caches_on_this_host())
             backend.allocate_kv_cache(num_blocks)
         except BaseException:
             backend.shutdown()
@@ -393,21 +393,23 @@ class _Counters:
             self.peak_waste = KVCacheManager.waste(running, kv_manager.block_size)
 
 
-def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
-    """Blocks for the KV cache space; the default never takes more than the memory left after the weights,
-    and an explicit size larger than that is refused (the OOM kill users meet otherwise)."""
+def _num_kv_blocks(config: EngineConfig, bytes_per_block: int, caches_here: int = 1) -> int:
+    """Blocks for the KV cache space (each of ``caches_here`` caches on this machine holds that much); the default
+    never takes more than the memory left after the weights, and an explicit size larger than that is refused (the
+    OOM kill users meet otherwise)."""
     src = config.sources.get("kv_cache_space", "default")
     src = "--kv-cache-space" if src == "flag" else src
     available = available_memory_bytes()
     if available is not None:
-        usable_gib = 0.9 * available / GiB  # headroom for activations and the rest of the process
+        usable_gib = 0.9 * available / GiB / caches_here  # headroom for activations and the rest of the process
+        each = f" for each of the {caches_here} tensor-parallel ranks on this machine" if caches_here > 1 else ""
         if config.kv_cache_space > usable_gib:
             if src != "default":
                 raise ConfigError(
                     f"the KV cache space {config.kv_cache_space:g} GiB (from {src}) is more than the "
-                    f"{usable_gib:.2f} GiB of memory available after loading the model; lower it")
-            logger.info("KV cache space: the default %g GiB is more than the %.2f GiB available: using %.2f GiB",
-                        config.kv_cache_space, usable_gib, usable_gib)
+                    f"{usable_gib:.2f} GiB of memory available{each} after loading the model; lower it")
+            logger.info("KV cache space: the default %g GiB is more than the %.2f GiB available%s: using %.2f GiB",
+                        config.kv_cache_space, usable_gib, each, usable_gib)
             config.kv_cache_space = usable_gib
     num_blocks = int(config.kv_cache_space * GiB) // bytes_per_block
     needed = cdiv(config.max_model_len, config.block_size)

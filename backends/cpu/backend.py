@@ -129,6 +129,9 @@ class CPUBackend(Backend):
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block(self.config.block_size)
 
+    def kv_caches_on_this_host(self) -> int:
+        return len(self.rank_plans) if self.tensor_parallel else 1
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 

@@ -127,6 +127,15 @@ def test_refusals_say_why(tiny_llama, settings, message):
         make_llm(tiny_llama, **settings)
 
 
+def test_the_kv_space_is_checked_for_every_rank_on_this_machine(tiny_llama, monkeypatch):
+    """The space is per rank, as in vLLM: two local ranks hold two caches, which must fit together."""
+    monkeypatch.setattr("pagedllm.engine.available_memory_bytes", lambda: 2**30)  # 0.9 GiB usable
+    make_llm(tiny_llama, kv_cache_space=0.6).shutdown()  # one cache of 0.6 GiB fits
+    with pytest.raises(ConfigError, match=r"more than the 0\.45 GiB of memory available for each of the 2 "
+                                          r"tensor-parallel ranks on this machine"):
+        make_llm(tiny_llama, kv_cache_space=0.6, tensor_parallel_size=2)
+
+
 def test_the_node_command_refuses_node_0():
     proc = subprocess.run([sys.executable, "-m", "pagedllm.backends.cpu.tp_node", "-tp", "2", "--nnodes", "2",
                            "--node-rank", "0", "--distributed-init-method", "tcp://127.0.0.1:1"],
