@@ -5,6 +5,7 @@ followed by a request that still succeeds, disconnects, 50 concurrent streams, /
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 
 import httpx
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import pagedllm
 from server_process import ServerProcess, parse_metrics
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.openai.serving import sse
 
 KEY = "sk-test"
 MODEL = "tiny-llama"
@@ -495,3 +497,12 @@ def test_sigterm_ends_what_outlasts_the_shutdown_timeout_with_an_error_event(sta
             chunks.append(chunk)
     assert len(chunks) < 500 and all(c.choices[0].finish_reason is None for c in chunks)
     assert server.proc.wait(60) == 0, server.log()
+
+
+def test_an_event_stays_one_line_whatever_its_text():
+    """A token's text may hold U+0085, U+2028 or U+2029, which JSON leaves raw and line readers built on
+    str.splitlines (httpx's aiter_lines) take for line ends: a tiny model's stream was cut mid-event by one."""
+    text = "a\x85b\u2028c\u2029d\x1ce"
+    event = sse({"text": text})
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event.removeprefix("data: ")) == {"text": text}

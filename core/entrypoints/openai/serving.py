@@ -79,8 +79,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# Characters that JSON leaves raw but that line readers built on str.splitlines (httpx's aiter_lines, for one) take
+# for line ends: escaped, so that a token's text never splits an event.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKERS)}\n\n"
 
 
 def created() -> int:
