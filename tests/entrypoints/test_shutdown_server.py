@@ -15,7 +15,7 @@ STREAMS = 100
 
 
 async def stream_completion(http: httpx.AsyncClient, max_tokens: int, started: asyncio.Event,
-                            first_chunks: list) -> dict:
+                            running: set, index: int) -> dict:
     """One streamed completion, read to its end: what it ended with, as the client saw it."""
     body = {"prompt": "Paris is", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     finish_reason = error = None
@@ -35,8 +35,8 @@ async def stream_completion(http: httpx.AsyncClient, max_tokens: int, started: a
                 if "error" in event:
                     error = event["error"]
                     continue
-                first_chunks.append(1)
-                if len(first_chunks) >= STREAMS:
+                running.add(index)
+                if len(running) == STREAMS:
                     started.set()
                 finish_reason = event["choices"][0]["finish_reason"] or finish_reason
     except httpx.TransportError as exc:
@@ -46,12 +46,12 @@ async def stream_completion(http: httpx.AsyncClient, max_tokens: int, started: a
 
 async def run_streams_and_terminate(server, max_tokens: int) -> list[dict]:
     started = asyncio.Event()
-    first_chunks: list = []
+    running: set = set()  # the streams that have had a chunk
     limits = httpx.Limits(max_connections=STREAMS + 10)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
-        tasks = [asyncio.ensure_future(stream_completion(http, max_tokens, started, first_chunks))
-                 for _ in range(STREAMS)]
-        await asyncio.wait_for(started.wait(), 120)  # chunks have flowed: the streams are running
+        tasks = [asyncio.ensure_future(stream_completion(http, max_tokens, started, running, i))
+                 for i in range(STREAMS)]
+        await asyncio.wait_for(started.wait(), 120)  # every stream has had a chunk: all 100 are running
         server.proc.send_signal(signal.SIGTERM)
         return await asyncio.gather(*tasks)
 
