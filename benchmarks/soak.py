@@ -130,7 +130,6 @@ class Soak:
     def __init__(self, http: httpx.AsyncClient, model: str, max_model_len: int, seed: int) -> None:
         self.http, self.model, self.max_model_len = http, model, max_model_len
         self.rng = random.Random(seed)
-        self.finished = 0
 
     def prompt(self) -> str:
         return " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 40)))
@@ -150,7 +149,6 @@ class Soak:
         except (httpx.TransportError, ValueError, KeyError) as exc:
             outcome = Outcome(kind, False, problem=f"{type(exc).__name__}: {exc}")
         outcome.kind, outcome.seconds = kind, time.monotonic() - start
-        self.finished += 1
         return outcome
 
     # -- the kinds ---------------------------------------------------------------------------------
@@ -260,14 +258,13 @@ def _refused(response: httpx.Response) -> Outcome:
     return Outcome("", True, 400)
 
 
-async def drive(base_url: str, requests: int, concurrency: int, seed: int, progress: list) -> tuple[list, Soak]:
+async def drive(base_url: str, requests: int, concurrency: int, seed: int, outcomes: list) -> None:
+    """Send the plan, ``concurrency`` at a time, appending each request's outcome as it ends."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]
         soak = Soak(http, model["id"], model["max_model_len"], seed)
-        progress.append(soak)
         plan = collections.deque(soak.plan(requests))
-        outcomes: list[Outcome] = []
 
         async def worker() -> None:
             while plan:
@@ -275,7 +272,6 @@ async def drive(base_url: str, requests: int, concurrency: int, seed: int, progr
                 outcomes.append(await soak.run(kind, spec))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return outcomes, soak
 
 
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -332,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(server, port, log_path)
-        progress: list[Soak] = []
+        outcomes: list[Outcome] = []
         start = time.monotonic()
-        with RSSSampler(server.pid, lambda: progress[0].finished if progress else 0) as rss:
-            outcomes, _ = asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, progress))
+        with RSSSampler(server.pid, lambda: len(outcomes)) as rss:
+            asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, outcomes))
         duration = time.monotonic() - start
         idle = wait_idle(base_url)
         server.terminate()

@@ -243,14 +243,13 @@ class LLMEngine:
         message = f"the engine step running this request failed: {exc!r}"
         outputs = []
         for group_id in group_ids:
-            group = self._groups.pop(group_id, None)
+            group = self._groups.get(group_id)
             if group is None:  # already reported finished before the step raised
                 continue
-            for member in group.members:
-                self.scheduler.abort(member.request_id)
             first = group.members[0]
             metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
             outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics, message))
+        self.abort_request([output.request_id for output in outputs])
         return outputs
 
     def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:

@@ -84,6 +84,7 @@ def test_abort_frees_blocks(llm):
     engine.add_request("a", [5] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.kv_manager.allocator.num_used > 0
+    assert engine.stats().requests_tracked == 3  # in the scheduler, as a group, in a batch row
     engine.abort_request("a")
     assert engine.kv_manager.allocator.num_used == 0 and not engine.has_unfinished_requests()
     assert engine.stats().requests_tracked == 0  # its batch row too, though no step follows

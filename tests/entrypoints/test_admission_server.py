@@ -27,7 +27,10 @@ def test_requests_beyond_the_queue_bound_get_503_with_retry_after(start_server, 
     assert response.json() == {"error": {
         "message": "1 requests are already waiting (max_waiting_requests); try again later",
         "type": "server_error", "param": None, "code": "queue_full"}}
-    assert server.metrics()["pagedllm:requests_rejected_total"] == 1
+    metrics = server.metrics()
+    assert metrics["pagedllm:requests_rejected_total"] == 1
+    # the running and the waiting request, in the engine's tables, and in the front end's routes and text state
+    assert metrics["pagedllm:requests_tracked[engine]"] > 0 and metrics["pagedllm:requests_tracked[front_end]"] == 4
 
     running.close()
     assert [c.choices[0].finish_reason for c in waiting][-1] == "length"

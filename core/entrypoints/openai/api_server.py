@@ -162,9 +162,10 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _end_requests_in_flight(self) -> None:
-        if self.engine.requests_tracked:
+        in_flight = self.engine.requests_tracked
+        if in_flight:
             logger.warning("--shutdown-timeout passed: ending the %d requests still in flight with an error",
-                           self.engine.requests_tracked)
+                           in_flight)
         self.engine.shutdown()
 
 
