@@ -3,7 +3,9 @@
 //
 // Decodes: one work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored
 // against every cached token in place, softmaxed, and used to sum the values. Blocks that all the decodes' tables
-// begin with (a prompt prefix shared through the prefix cache) are attended first, once per tile of sequences.
+// begin with (a prompt prefix shared through the prefix cache) are attended first, once per tile of sequences
+// (bf16: as tile GEMMs through brgemm). Each pass over a sequence's blocks asks for the blocks of the pass after it
+// (its values, then the next item's keys) into L2, so memory reads overlap with arithmetic.
 // Prompt chunks: the same per tile of query tokens (see prefill below). Caches are
 // [num_blocks, kv_heads, block_size, head_size] in float32, bfloat16, or uint8 with a float32 scale
 // and minimum per token and head (x = q * scale + minimum).
@@ -20,8 +22,8 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <type_traits>
-#include <map>
 #include <vector>
 
 #include "fast_exp.h"
@@ -30,6 +32,12 @@
 namespace {
 
 using pagedllm::exp_nonpositive;
+
+// Scratch memory that the caller fills: a std::vector would first write every bf16 element one by one.
+template <typename T>
+std::unique_ptr<T[]> uninitialized(int64_t n) {
+  return std::make_unique_for_overwrite<T[]>(n);
+}
 #if defined(__AVX2__) && defined(__FMA__)
 using pagedllm::exp_nonpositive8;
 #endif
@@ -70,6 +78,11 @@ inline void sum8(const Vec* acc, float* out) {
 inline void prefetch_block(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+inline void prefetch_block_l2(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
 }
 
 // scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
@@ -174,6 +187,45 @@ struct QueryRows {
   }
 };
 
+#if defined(PAGEDLLM_VEC)
+// Vectors of one head's accumulator held in registers at a time (AVX-512: 4 x 16 floats, AVX2: 2 x 8), and query
+// heads per pass over a block's rows: heads x vectors accumulators stay in registers, where a run-time head count
+// would keep them on the stack, every FMA waiting on a store and a load.
+#if defined(__AVX512F__)
+constexpr int kDimVecs = 4;
+constexpr int kHeadTile = 4;
+#else
+constexpr int kDimVecs = 2;
+constexpr int kHeadTile = 4;
+#endif
+
+// acc[j][d0, d0 + kDimVecs * Vec::size) += sum_r weight[j * stride + r] * values_r[same] for `heads` = HT heads.
+template <int HT, typename cache_t>
+inline void accumulate_tile(const float* weight, int64_t stride, const cache_t* values, int64_t rows, int64_t dim,
+                            int64_t d0, float* acc) {
+  Vec a[HT][kDimVecs];
+#pragma GCC unroll 8
+  for (int j = 0; j < HT; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < kDimVecs; ++i) a[j][i] = Vec::load(acc + j * dim + d0 + i * Vec::size);
+  for (int64_t r = 0; r < rows; ++r) {
+    Vec v[kDimVecs];
+#pragma GCC unroll 8
+    for (int i = 0; i < kDimVecs; ++i) v[i] = Vec::load(values + r * dim + d0 + i * Vec::size);
+#pragma GCC unroll 8
+    for (int j = 0; j < HT; ++j) {
+      const Vec w = Vec::broadcast(weight[j * stride + r]);
+#pragma GCC unroll 8
+      for (int i = 0; i < kDimVecs; ++i) a[j][i] = Vec::fma(w, v[i], a[j][i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < HT; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < kDimVecs; ++i) a[j][i].store(acc + j * dim + d0 + i * Vec::size);
+}
+#endif
+
 // acc[g] += sum_r probs[g * stride + r] * values_r for the group's query heads over a block's `rows` values, read in
 // place. u8 values: sum_r p_r * (q8_r * scale_r + minimum_r) = sum_r (p_r * scale_r) * q8_r + sum_r p_r * minimum_r.
 template <typename cache_t>
@@ -181,37 +233,43 @@ inline void block_accumulate(const float* probs, int64_t stride, int64_t groups,
                              const float* scale, const float* minimum, int64_t rows, int64_t dim, float* acc) {
   constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
   constexpr int64_t kGroupTile = 4;
-  float weight[kGroupTile * 1024];  // probs (times the u8 scale) of up to kGroupTile heads; blocks are <= 1024 rows
+  float scaled[kGroupTile * 1024];  // u8: probs times the row scales of up to kGroupTile heads (blocks <= 1024 rows)
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupTile) {
     const int64_t heads = std::min(kGroupTile, groups - g0);
-    for (int64_t j = 0; j < heads; ++j) {
-      const float* p = probs + (g0 + j) * stride;
-      float offset = 0.f;
-      for (int64_t r = 0; r < rows; ++r) {
-        weight[j * rows + r] = quantized ? p[r] * scale[r] : p[r];
-        if constexpr (quantized) offset += p[r] * minimum[r];
-      }
-      if constexpr (quantized)
-        for (int64_t d = 0; d < dim; ++d) acc[(g0 + j) * dim + d] += offset;
-    }
-    int64_t d = 0;
-#if defined(PAGEDLLM_VEC)
-    if (dim % Vec::size == 0) {
-      for (; d < dim; d += Vec::size) {
-        Vec a[kGroupTile];
-        for (int64_t j = 0; j < heads; ++j) a[j] = Vec::load(acc + (g0 + j) * dim + d);
+    const float* weight = probs + g0 * stride;
+    int64_t weight_stride = stride;
+    if constexpr (quantized) {
+      for (int64_t j = 0; j < heads; ++j) {
+        const float* p = probs + (g0 + j) * stride;
+        float offset = 0.f;
         for (int64_t r = 0; r < rows; ++r) {
-          const Vec v = Vec::load(values + r * dim + d);
-          for (int64_t j = 0; j < heads; ++j) a[j] = Vec::fma(Vec::broadcast(weight[j * rows + r]), v, a[j]);
+          scaled[j * rows + r] = p[r] * scale[r];
+          offset += p[r] * minimum[r];
         }
-        for (int64_t j = 0; j < heads; ++j) a[j].store(acc + (g0 + j) * dim + d);
+        for (int64_t d = 0; d < dim; ++d) acc[(g0 + j) * dim + d] += offset;
       }
+      weight = scaled;
+      weight_stride = rows;
+    }
+#if defined(PAGEDLLM_VEC)
+    static_assert(kGroupTile == kHeadTile, "one head tile per group tile");
+    if (dim % (kDimVecs * Vec::size) == 0) {
+      float* a = acc + g0 * dim;
+      for (int64_t d0 = 0; d0 < dim; d0 += kDimVecs * Vec::size) {
+        switch (heads) {
+          case 1: accumulate_tile<1>(weight, weight_stride, values, rows, dim, d0, a); break;
+          case 2: accumulate_tile<2>(weight, weight_stride, values, rows, dim, d0, a); break;
+          case 3: accumulate_tile<3>(weight, weight_stride, values, rows, dim, d0, a); break;
+          default: accumulate_tile<4>(weight, weight_stride, values, rows, dim, d0, a); break;
+        }
+      }
+      continue;
     }
 #endif
-    for (; d < dim; ++d)
+    for (int64_t d = 0; d < dim; ++d)
       for (int64_t j = 0; j < heads; ++j) {
         float sum = acc[(g0 + j) * dim + d];
-        for (int64_t r = 0; r < rows; ++r) sum += weight[j * rows + r] * as_float(values[r * dim + d]);
+        for (int64_t r = 0; r < rows; ++r) sum += weight[j * weight_stride + r] * as_float(values[r * dim + d]);
         acc[(g0 + j) * dim + d] = sum;
       }
   }
@@ -237,10 +295,15 @@ inline float softmax_numerators(float* s, int64_t n, float* peak_out = nullptr) 
   peak = horizontal_max(peak8);
   for (; i < n; ++i) peak = std::max(peak, s[i]);
   const __m256 shift = _mm256_set1_ps(peak);
-  for (i = 0; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(s + i, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift)));
-  // Summed in order, as the scalar loop does: bf16 greedy runs drift on any reordering (a few hundred adds).
-  for (int64_t j = 0; j < i; ++j) total += s[j];
+  __m256 sums = _mm256_setzero_ps();  // eight running sums: one chain of scalar adds waits on each add in turn
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
+    _mm256_storeu_ps(s + i, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 #else
   for (; i < n; ++i) peak = std::max(peak, s[i]);
   i = 0;
@@ -284,6 +347,18 @@ struct PagedCache {
         table_width(block_table.size(1)), kv_heads(key_cache.size(1)), block_size(key_cache.size(2)),
         dim(key_cache.size(3)) {}
 
+  // A later pass over one sequence's blocks of one cache: its blocks are asked for into L2 during the current
+  // pass, one per block read, so the memory reads overlap with arithmetic instead of following it.
+  struct Later {
+    const cache_t* cache = nullptr;
+    const int64_t* blocks = nullptr;
+    int64_t head = 0, begin = 0, end = 0;  // block indices [begin, end) of the sequence's table
+  };
+
+  Later later(const cache_t* cache, int64_t seq, int64_t head, int64_t first_block, int64_t len) const {
+    return {cache, table + seq * table_width, head, first_block, (len + block_size - 1) / block_size};
+  }
+
   // scores[r * span + (t - origin)] = scale * q_r . key_t for the `rows` query rows against the sequence's keys t
   // in [origin, len), origin = first_block * block_size.
   template <typename scalar_t>
@@ -292,7 +367,8 @@ struct PagedCache {
 #if PAGEDLLM_DPBF16
     if constexpr (QueryRows<scalar_t, cache_t>::kBf16) {
       if (q.pairwise) {
-        pass(seq, head, keys, first_block, len, [&](const cache_t* k, int64_t, int64_t b, int64_t n) {
+        const Later values_ahead = later(values, seq, head, first_block, len);
+        pass(seq, head, keys, values_ahead, first_block, len, [&](const cache_t* k, int64_t, int64_t b, int64_t n) {
           block_scores_bf16(q.raw.data(), rows, k, n, dim, q.scale, scores + (b - first_block) * block_size, span);
         });
         return;
@@ -306,7 +382,8 @@ struct PagedCache {
         for (int64_t d = 0; d < dim; ++d) sum += scaled[r * dim + d];
         q.sums[r] = sum;
       }
-    pass(seq, head, keys, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
+    const Later values_ahead = later(values, seq, head, first_block, len);
+    pass(seq, head, keys, values_ahead, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
       block_scores(scaled, q.sums.data(), rows, k, quantized ? key_scale + slot : nullptr,
                    quantized ? key_min + slot : nullptr, n, dim, scores + (b - first_block) * block_size, span);
     });
@@ -314,8 +391,8 @@ struct PagedCache {
 
   // acc[r] += sum_t probs[r * span + (t - origin)] * value_t over the same keys.
   void accumulate(int64_t seq, int64_t head, const float* probs, int64_t rows, int64_t first_block, int64_t len,
-                  int64_t span, float* acc) const {
-    pass(seq, head, values, first_block, len, [&](const cache_t* v, int64_t slot, int64_t b, int64_t n) {
+                  int64_t span, float* acc, const Later& next_keys = {}) const {
+    pass(seq, head, values, next_keys, first_block, len, [&](const cache_t* v, int64_t slot, int64_t b, int64_t n) {
       block_accumulate(probs + (b - first_block) * block_size, span, rows, v,
                        quantized ? value_scale + slot : nullptr, quantized ? value_min + slot : nullptr, n, dim, acc);
     });
@@ -326,7 +403,8 @@ struct PagedCache {
   static constexpr int64_t kPrefetchDistance = 2;
 
   template <typename F>
-  void pass(int64_t seq, int64_t head, const cache_t* cache, int64_t first_block, int64_t len, F&& use) const {
+  void pass(int64_t seq, int64_t head, const cache_t* cache, const Later& ahead, int64_t first_block, int64_t len,
+            F&& use) const {
     const int64_t* blocks = table + seq * table_width;
     const int64_t end_block = (len + block_size - 1) / block_size;
     const int64_t block_bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
@@ -337,6 +415,9 @@ struct PagedCache {
       const int64_t rows = std::min(len, (b + 1) * block_size) - b * block_size;
       if (b + kPrefetchDistance < end_block)
         prefetch_block(cache + (blocks[b + kPrefetchDistance] * kv_heads + head) * block_size * dim, block_bytes);
+      const int64_t k = ahead.begin + (b - first_block);
+      if (ahead.cache != nullptr && k < ahead.end)
+        prefetch_block_l2(ahead.cache + (ahead.blocks[k] * kv_heads + ahead.head) * block_size * dim, block_bytes);
       use(cache + slot * dim, slot, b, rows);
     }
   }
@@ -344,6 +425,112 @@ struct PagedCache {
 
 // Sequences whose shared prefix blocks are attended together (query rows = kSeqTile * group size).
 constexpr int64_t kSeqTile = 16;
+
+#if PAGEDLLM_DPBF16
+// Tile GEMMs through torch's brgemm: pair-interleaved packing and a softmax that rounds to bf16.
+constexpr int64_t kKeyTile = 64;
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// probs[0, span) = bf16(exp(scale * (s[t] - max))) for the `visible` scores, then zeros; returns 1 / sum of the
+// float32 numerators. Sixteen lanes at a time (s has room for span floats, span a multiple of Vec::size).
+inline float scaled_softmax_bf16(float* s, int64_t visible, int64_t span, float scale, at::BFloat16* probs,
+                                 float* peak_out = nullptr) {
+  const int64_t full = visible / Vec::size * Vec::size;
+  Vec top = Vec::broadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < full; t += Vec::size) top = Vec::max(top, Vec::load(s + t));
+  float peak = top.max();
+  for (int64_t t = full; t < visible; ++t) peak = std::max(peak, s[t]);
+  for (int64_t t = visible; t < round_up(visible, Vec::size); ++t) s[t] = -std::numeric_limits<float>::infinity();
+  const Vec shift = Vec::broadcast(peak), vscale = Vec::broadcast(scale);
+  Vec total = Vec::zero();
+  for (int64_t t = 0; t < visible; t += Vec::size) {  // the lanes past `visible` give exp(-inf) = 0
+    const Vec e = Vec::exp_nonpositive((Vec::load(s + t) - shift) * vscale);
+    total = total + e;
+    e.store(probs + t);
+  }
+  std::fill(probs + round_up(visible, Vec::size), probs + span, at::BFloat16(0.f));
+  if (peak_out != nullptr) *peak_out = peak * scale;  // the largest scaled score
+  return 1.f / total.sum();
+}
+
+// kKeyTile cache rows in brgemm's pair-interleaved layout: keys [dim / 2][key_ld][2] (B of Q K^T; the tile's
+// columns of a wider packing when key_ld > kKeyTile), values [kKeyTile / 2][dim][2] (B of P V).
+inline void pack_tile(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t dim, int64_t key_ld,
+                      at::BFloat16* keys, at::BFloat16* values) {
+  uint32_t* pk = reinterpret_cast<uint32_t*>(keys);
+  for (int64_t p = 0; p < dim / 2; ++p)
+    for (int64_t i = 0; i < kKeyTile; ++i) pk[p * key_ld + i] = reinterpret_cast<const uint32_t*>(krow[i])[p];
+  uint16_t* pv = reinterpret_cast<uint16_t*>(values);
+  for (int64_t i = 0; i < kKeyTile; i += 2)
+    for (int64_t d = 0; d < dim; ++d) {
+      pv[((i / 2) * dim + d) * 2] = vrow[i][d];
+      pv[((i / 2) * dim + d) * 2 + 1] = vrow[i + 1][d];
+    }
+}
+
+// The shared prefix of bf16 decodes over a bf16 cache as tile GEMMs (see prefill_bf16_brgemm below): its keys and
+// values are packed once per KV head, then each tile of kSeqTile sequences times the group's heads is two GEMM
+// passes, scores in float32 and probabilities rounded to bf16. Writes what the per-row path writes: the
+// unnormalized sums, the largest scaled score and the sum of numerators of each (sequence, query head).
+void shared_prefix_bf16_brgemm(const at::BFloat16* q_ptr, int64_t q_seq_stride, int64_t q_head_stride,
+                               const at::BFloat16* keys, const at::BFloat16* values, const int64_t* blocks,
+                               int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t block_size,
+                               int64_t dim, int64_t shared_len, double scale, float* shared_acc, float* shared_max,
+                               float* shared_sum) {
+  using bf16 = at::BFloat16;
+  const int64_t groups = num_heads / kv_heads, span = round_up(shared_len, kKeyTile), key_tiles = span / kKeyTile;
+  // Per KV head, the whole prefix as one GEMM operand each: keys [dim / 2][span][2], values [span / 2][dim][2].
+  const auto packed_k = uninitialized<bf16>(kv_heads * span * dim);
+  const auto packed_v = uninitialized<bf16>(kv_heads * span * dim);
+  const std::vector<uint16_t> zeros(dim, 0);
+  at::parallel_for(0, kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* krow[kKeyTile];
+    const uint16_t* vrow[kKeyTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / key_tiles, t0 = (item % key_tiles) * kKeyTile;
+      for (int64_t i = 0; i < kKeyTile; ++i) {  // padding rows read zeros: their probabilities are zero too
+        const int64_t t = t0 + i;
+        const int64_t row = (blocks[t / block_size] * kv_heads + h) * block_size + t % block_size;
+        krow[i] = t < shared_len ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
+        vrow[i] = t < shared_len ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
+      }
+      pack_tile(krow, vrow, dim, span, packed_k.get() + h * span * dim + t0 * 2,
+                packed_v.get() + h * span * dim + t0 * dim);
+    }
+  });
+  const int64_t seq_tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, seq_tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const auto q = uninitialized<bf16>(kSeqTile * groups * dim);
+    const auto probs = uninitialized<bf16>(kSeqTile * groups * span);
+    std::vector<float> scores(kSeqTile * groups * span), acc(kSeqTile * groups * dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_seq = (item / kv_heads) * kSeqTile, head = item % kv_heads;
+      const int64_t rows = std::min(kSeqTile, num_seqs - first_seq) * groups;  // row j * groups + g
+      for (int64_t r = 0; r < rows; ++r) {
+        const bf16* src =
+            q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride;
+        std::copy(src, src + dim, q.get() + r * dim);
+      }
+      at::native::cpublas::brgemm(rows, span, dim, dim, span, span, false, q.get(),
+                                  packed_k.get() + head * span * dim, scores.data(), true);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+        shared_sum[at] = 1.f / scaled_softmax_bf16(scores.data() + r * span, shared_len, span, fscale,
+                                                   probs.get() + r * span, &shared_max[at]);
+      }
+      at::native::cpublas::brgemm(rows, dim, span, span, dim, dim, false, probs.get(),
+                                  packed_v.get() + head * span * dim, acc.data(), true);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+        std::copy(acc.begin() + r * dim, acc.begin() + (r + 1) * dim, shared_acc + at * dim);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+#endif
 
 template <typename scalar_t, typename cache_t>
 void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -383,6 +570,17 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     shared_acc.resize(num_seqs * num_heads * dim);
     shared_max.resize(num_seqs * num_heads);
     shared_sum.resize(num_seqs * num_heads);
+    bool done = false;
+#if PAGEDLLM_DPBF16
+    if constexpr (QueryRows<scalar_t, cache_t>::kBf16)
+      if (dim % 32 == 0) {
+        shared_prefix_bf16_brgemm(q_ptr, q_seq_stride, q_head_stride, cache.keys, cache.values, cache.table, num_seqs,
+                                  num_heads, kv_heads, block_size, dim, shared_len, scale, shared_acc.data(),
+                                  shared_max.data(), shared_sum.data());
+        done = true;
+      }
+#endif
+    if (!done) {
     const int64_t tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
     at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
       QueryRows<scalar_t, cache_t> q(kSeqTile * groups, dim, scale);
@@ -405,6 +603,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         }
       }
     });
+    }
   }
 
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -435,9 +634,15 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
         std::fill(s, s + lo, 0.f);
         std::fill(s + hi, s + span, 0.f);
       }
-      // Pass 2: the probability-weighted sum of the values.
+      // Pass 2: the probability-weighted sum of the values, while the next item's keys are fetched.
+      typename PagedCache<cache_t>::Later next_keys;
+      if (item + 1 < end) {
+        const int64_t next_seq = (item + 1) / kv_heads, next_len = lens[next_seq];
+        const int64_t next_first = window > 0 ? std::max<int64_t>(0, next_len - window) : shared_len;
+        next_keys = cache.later(cache.keys, next_seq, (item + 1) % kv_heads, next_first / block_size, next_len);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data());
+      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), next_keys);
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = seq * num_heads + head * groups + g;
         scalar_t* dst = out_ptr + at * dim;
@@ -540,30 +745,6 @@ void prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cac
 // into brgemm's pair-interleaved layout; each tile of kTile query tokens times the group's heads is then two GEMM
 // passes over kKeyTile-key slices: scores = Q K^T in float32, softmax in float32, probabilities rounded to bf16,
 // out = P V accumulated in float32. No sliding window (the per-row path takes those).
-constexpr int64_t kKeyTile = 64;
-
-inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
-// probs[0, span) = bf16(exp(scale * (s[t] - max))) for the `visible` scores, then zeros; returns 1 / sum of the
-// float32 numerators. Sixteen lanes at a time (s has room for span floats, span a multiple of Vec::size).
-inline float scaled_softmax_bf16(float* s, int64_t visible, int64_t span, float scale, at::BFloat16* probs) {
-  const int64_t full = visible / Vec::size * Vec::size;
-  Vec top = Vec::broadcast(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < full; t += Vec::size) top = Vec::max(top, Vec::load(s + t));
-  float peak = top.max();
-  for (int64_t t = full; t < visible; ++t) peak = std::max(peak, s[t]);
-  for (int64_t t = visible; t < round_up(visible, Vec::size); ++t) s[t] = -std::numeric_limits<float>::infinity();
-  const Vec shift = Vec::broadcast(peak), vscale = Vec::broadcast(scale);
-  Vec total = Vec::zero();
-  for (int64_t t = 0; t < visible; t += Vec::size) {  // the lanes past `visible` give exp(-inf) = 0
-    const Vec e = Vec::exp_nonpositive((Vec::load(s + t) - shift) * vscale);
-    total = total + e;
-    e.store(probs + t);
-  }
-  std::fill(probs + round_up(visible, Vec::size), probs + span, at::BFloat16(0.f));
-  return 1.f / total.sum();
-}
-
 void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& past_lens,
                          const at::Tensor& q_starts, const at::Tensor& q_lens, double scale) {
@@ -609,7 +790,8 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
       sources.emplace_back(c, t0);
     }
   const int64_t tile_elems = kKeyTile * dim;
-  std::vector<bf16> packed_k(sources.size() * kv_heads * tile_elems), packed_v(packed_k.size());
+  const int64_t packed_elems = static_cast<int64_t>(sources.size()) * kv_heads * tile_elems;
+  const auto packed_k = uninitialized<bf16>(packed_elems), packed_v = uninitialized<bf16>(packed_elems);
   const std::vector<uint16_t> zeros(dim, 0);
   at::parallel_for(0, static_cast<int64_t>(sources.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     const uint16_t* krow[kKeyTile];
@@ -623,15 +805,8 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
         krow[i] = t < n ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
         vrow[i] = t < n ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
       }
-      uint32_t* pk = reinterpret_cast<uint32_t*>(packed_k.data() + item * tile_elems);
-      for (int64_t p = 0; p < dim / 2; ++p)
-        for (int64_t i = 0; i < kKeyTile; ++i) pk[p * kKeyTile + i] = reinterpret_cast<const uint32_t*>(krow[i])[p];
-      uint16_t* pv = reinterpret_cast<uint16_t*>(packed_v.data() + item * tile_elems);
-      for (int64_t i = 0; i < kKeyTile; i += 2)
-        for (int64_t d = 0; d < dim; ++d) {
-          pv[((i / 2) * dim + d) * 2] = vrow[i][d];
-          pv[((i / 2) * dim + d) * 2 + 1] = vrow[i + 1][d];
-        }
+      pack_tile(krow, vrow, dim, kKeyTile, packed_k.get() + item * tile_elems,
+                packed_v.get() + item * tile_elems);
     }
   });
 
@@ -659,8 +834,8 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
               q_ptr + (starts[chunk] + tile_start + j) * q_tok_stride + (head * groups + g) * q_head_stride;
           std::copy(src, src + dim, q.data() + (j * groups + g) * dim);
         }
-      const auto packed = [&](const std::vector<bf16>& all, int64_t pos) {
-        return all.data() + (packed_index[first_tile[chunk] + pos / kKeyTile] * kv_heads + head) * tile_elems;
+      const auto packed = [&](const std::unique_ptr<bf16[]>& all, int64_t pos) {
+        return all.get() + (packed_index[first_tile[chunk] + pos / kKeyTile] * kv_heads + head) * tile_elems;
       };
       scores.resize(rows * span);
       for (int64_t n0 = 0; n0 < span; n0 += kKeyTile)
