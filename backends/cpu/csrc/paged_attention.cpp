@@ -581,28 +581,28 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       }
 #endif
     if (!done) {
-    const int64_t tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
-    at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      QueryRows<scalar_t, cache_t> q(kSeqTile * groups, dim, scale);
-      std::vector<float> acc(kSeqTile * groups * dim), scores(kSeqTile * groups * shared_len);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t first_seq = (item / kv_heads) * kSeqTile, head = item % kv_heads;
-        const int64_t rows = std::min(kSeqTile, num_seqs - first_seq) * groups;  // row j * groups + g
-        for (int64_t r = 0; r < rows; ++r)
-          q.set(r, q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride);
-        cache.score(first_seq, head, q, rows, 0, shared_len, scores.data(), shared_len);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
-          shared_sum[at] = 1.f / softmax_numerators(scores.data() + r * shared_len, shared_len, &shared_max[at]);
+      const int64_t tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
+      at::parallel_for(0, tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
+        QueryRows<scalar_t, cache_t> q(kSeqTile * groups, dim, scale);
+        std::vector<float> acc(kSeqTile * groups * dim), scores(kSeqTile * groups * shared_len);
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t first_seq = (item / kv_heads) * kSeqTile, head = item % kv_heads;
+          const int64_t rows = std::min(kSeqTile, num_seqs - first_seq) * groups;  // row j * groups + g
+          for (int64_t r = 0; r < rows; ++r)
+            q.set(r, q_ptr + (first_seq + r / groups) * q_seq_stride + (head * groups + r % groups) * q_head_stride);
+          cache.score(first_seq, head, q, rows, 0, shared_len, scores.data(), shared_len);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+            shared_sum[at] = 1.f / softmax_numerators(scores.data() + r * shared_len, shared_len, &shared_max[at]);
+          }
+          std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
+          cache.accumulate(first_seq, head, scores.data(), rows, 0, shared_len, shared_len, acc.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
+            std::copy(acc.begin() + r * dim, acc.begin() + (r + 1) * dim, shared_acc.begin() + at * dim);
+          }
         }
-        std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
-        cache.accumulate(first_seq, head, scores.data(), rows, 0, shared_len, shared_len, acc.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t at = (first_seq + r / groups) * num_heads + head * groups + r % groups;
-          std::copy(acc.begin() + r * dim, acc.begin() + (r + 1) * dim, shared_acc.begin() + at * dim);
-        }
-      }
-    });
+      });
     }
   }
 
