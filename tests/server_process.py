@@ -14,6 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT = 180.0
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -39,14 +40,22 @@ class ServerProcess:
     """``python -m pagedllm.entrypoints.cli serve ...``, its stderr in a file (shown when it fails to start)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(self.port)]
         env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
+        # A free port is free only until someone binds it: while the server loads, other processes (tensor-parallel
+        # ranks' gloo sockets, other tests) may take it, and then the server starts again on another.
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(self.port)]
+            with open(log_path, "wb") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                self._wait_ready()
+                return
+            except RuntimeError:
+                if "address already in use" not in self.log() or attempt == PORT_ATTEMPTS - 1:
+                    raise
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
