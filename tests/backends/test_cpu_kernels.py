@@ -191,11 +191,13 @@ def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_block
 
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                           (torch.float32, "u8")])
-def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, cache, kernels):
+@pytest.mark.parametrize("prefix_blocks", [3, 9])  # 48 and 144 keys: one key tile of bf16's GEMMs, and three
+def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, cache, prefix_blocks, kernels):
     torch.manual_seed(0)
     lens = [49, 64, 65, 120, 50, 77, 90, 100, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62]  # two tiles of 16
+    lens = [n + (prefix_blocks - 3) * BS for n in lens]
     caches = make_caches(cache, 128)
-    table = fill_shared_prefix(caches, 3, lens, 128)
+    table = fill_shared_prefix(caches, prefix_blocks, lens, 128)
     width = table.shape[1]
     q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
     keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
@@ -203,7 +205,7 @@ def test_a_shared_prefix_is_attended_once_per_tile_with_the_same_result(dtype, c
     expected = reference(q, keys, values, lens, D ** -0.5, -1)
     k, v = caches
     outs = []
-    for shared_blocks in (0, 3):
+    for shared_blocks in (0, prefix_blocks):
         out = torch.empty_like(q)
         kernels.paged_decode_attention(out, q, k.data, v.data, getattr(k, "scale", None),
                                        getattr(k, "minimum", None), getattr(v, "scale", None),

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could 
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", [(3, 2 * 1536), (1, 2, 2 * 13), (0, 8)])
+@pytest.mark.parametrize("shape", [(3, 2 * 1536), (2, 2 * 29), (1, 2, 2 * 13), (0, 8)])  # 29: 16 + 8 + 5 lanes
 @pytest.mark.parametrize("separate", [False, True])
 def test_silu_and_mul_matches_torch(dtype, tol, shape, separate):
     torch.manual_seed(0)

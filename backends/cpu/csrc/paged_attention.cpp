@@ -32,15 +32,15 @@
 namespace {
 
 using pagedllm::exp_nonpositive;
+#if defined(__AVX2__) && defined(__FMA__)
+using pagedllm::exp_nonpositive8;
+#endif
 
 // Scratch memory that the caller fills: a std::vector would first write every bf16 element one by one.
 template <typename T>
 std::unique_ptr<T[]> uninitialized(int64_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
-#if defined(__AVX2__) && defined(__FMA__)
-using pagedllm::exp_nonpositive8;
-#endif
 
 // A cache element as float32; u8 rows are dequantized by the caller (x = q * scale + minimum per row).
 inline float as_float(float x) { return x; }
@@ -74,15 +74,12 @@ inline void sum8(const Vec* acc, float* out) {
 #endif
 
 // Ask for a block's bytes ahead of use: blocks sit at scattered addresses, which the hardware prefetcher
-// cannot guess, so without this every block starts with a run of cache misses.
+// cannot guess, so without this every block starts with a run of cache misses. Locality 3 asks for L1, 1 for the
+// outer levels (a block wanted a pass later).
+template <int locality = 3>
 inline void prefetch_block(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
-inline void prefetch_block_l2(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, locality);
 }
 
 // scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
@@ -188,15 +185,13 @@ struct QueryRows {
 };
 
 #if defined(PAGEDLLM_VEC)
-// Vectors of one head's accumulator held in registers at a time (AVX-512: 4 x 16 floats, AVX2: 2 x 8), and query
-// heads per pass over a block's rows: heads x vectors accumulators stay in registers, where a run-time head count
-// would keep them on the stack, every FMA waiting on a store and a load.
+// Vectors of one head's accumulator held in registers at a time (AVX-512: 4 x 16 floats, AVX2: 2 x 8), for a
+// compile-time number of heads: a run-time head count would keep the accumulators on the stack, every FMA waiting
+// on a store and a load.
 #if defined(__AVX512F__)
 constexpr int kDimVecs = 4;
-constexpr int kHeadTile = 4;
 #else
 constexpr int kDimVecs = 2;
-constexpr int kHeadTile = 4;
 #endif
 
 // acc[j][d0, d0 + kDimVecs * Vec::size) += sum_r weight[j * stride + r] * values_r[same] for `heads` = HT heads.
@@ -232,7 +227,7 @@ template <typename cache_t>
 inline void block_accumulate(const float* probs, int64_t stride, int64_t groups, const cache_t* values,
                              const float* scale, const float* minimum, int64_t rows, int64_t dim, float* acc) {
   constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
-  constexpr int64_t kGroupTile = 4;
+  constexpr int64_t kGroupTile = 4;  // heads per pass over the block (accumulate_tile's cases below)
   float scaled[kGroupTile * 1024];  // u8: probs times the row scales of up to kGroupTile heads (blocks <= 1024 rows)
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupTile) {
     const int64_t heads = std::min(kGroupTile, groups - g0);
@@ -252,7 +247,6 @@ inline void block_accumulate(const float* probs, int64_t stride, int64_t groups,
       weight_stride = rows;
     }
 #if defined(PAGEDLLM_VEC)
-    static_assert(kGroupTile == kHeadTile, "one head tile per group tile");
     if (dim % (kDimVecs * Vec::size) == 0) {
       float* a = acc + g0 * dim;
       for (int64_t d0 = 0; d0 < dim; d0 += kDimVecs * Vec::size) {
@@ -282,6 +276,12 @@ inline float horizontal_max(__m256 v) {
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
 }
+
+inline float horizontal_sum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 #endif
 
 // In place: s[i] = exp(s[i] - max(s)); returns 1 / sum (and the max in *peak_out when asked).
@@ -301,9 +301,7 @@ inline float softmax_numerators(float* s, int64_t n, float* peak_out = nullptr) 
     _mm256_storeu_ps(s + i, e);
     sums = _mm256_add_ps(sums, e);
   }
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+  total = horizontal_sum(sums);
 #else
   for (; i < n; ++i) peak = std::max(peak, s[i]);
   i = 0;
@@ -417,7 +415,7 @@ struct PagedCache {
         prefetch_block(cache + (blocks[b + kPrefetchDistance] * kv_heads + head) * block_size * dim, block_bytes);
       const int64_t k = ahead.begin + (b - first_block);
       if (ahead.cache != nullptr && k < ahead.end)
-        prefetch_block_l2(ahead.cache + (ahead.blocks[k] * kv_heads + ahead.head) * block_size * dim, block_bytes);
+        prefetch_block<1>(ahead.cache + (ahead.blocks[k] * kv_heads + ahead.head) * block_size * dim, block_bytes);
       use(cache + slot * dim, slot, b, rows);
     }
   }
@@ -454,10 +452,21 @@ inline float scaled_softmax_bf16(float* s, int64_t visible, int64_t span, float 
   return 1.f / total.sum();
 }
 
-// kKeyTile cache rows in brgemm's pair-interleaved layout: keys [dim / 2][key_ld][2] (B of Q K^T; the tile's
-// columns of a wider packing when key_ld > kKeyTile), values [kKeyTile / 2][dim][2] (B of P V).
-inline void pack_tile(const uint16_t* const* krow, const uint16_t* const* vrow, int64_t dim, int64_t key_ld,
-                      at::BFloat16* keys, at::BFloat16* values) {
+// Positions [t0, t0 + kKeyTile) of one sequence's keys and values for one KV head, read through its block table
+// (positions at or past `n` read `zeros`: their probabilities are zero too), in brgemm's pair-interleaved layout:
+// keys [dim / 2][key_ld][2] (B of Q K^T; the tile's columns of a wider packing when key_ld > kKeyTile), values
+// [kKeyTile / 2][dim][2] (B of P V).
+inline void pack_tile(const at::BFloat16* key_cache, const at::BFloat16* value_cache, const int64_t* blocks,
+                      int64_t kv_heads, int64_t block_size, int64_t head, int64_t t0, int64_t n, int64_t dim,
+                      const uint16_t* zeros, int64_t key_ld, at::BFloat16* keys, at::BFloat16* values) {
+  const uint16_t* krow[kKeyTile];
+  const uint16_t* vrow[kKeyTile];
+  for (int64_t i = 0; i < kKeyTile; ++i) {
+    const int64_t t = t0 + i;
+    const int64_t row = (blocks[t / block_size] * kv_heads + head) * block_size + t % block_size;
+    krow[i] = t < n ? reinterpret_cast<const uint16_t*>(key_cache + row * dim) : zeros;
+    vrow[i] = t < n ? reinterpret_cast<const uint16_t*>(value_cache + row * dim) : zeros;
+  }
   uint32_t* pk = reinterpret_cast<uint32_t*>(keys);
   for (int64_t p = 0; p < dim / 2; ++p)
     for (int64_t i = 0; i < kKeyTile; ++i) pk[p * key_ld + i] = reinterpret_cast<const uint32_t*>(krow[i])[p];
@@ -485,18 +494,10 @@ void shared_prefix_bf16_brgemm(const at::BFloat16* q_ptr, int64_t q_seq_stride, 
   const auto packed_v = uninitialized<bf16>(kv_heads * span * dim);
   const std::vector<uint16_t> zeros(dim, 0);
   at::parallel_for(0, kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
-    const uint16_t* krow[kKeyTile];
-    const uint16_t* vrow[kKeyTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / key_tiles, t0 = (item % key_tiles) * kKeyTile;
-      for (int64_t i = 0; i < kKeyTile; ++i) {  // padding rows read zeros: their probabilities are zero too
-        const int64_t t = t0 + i;
-        const int64_t row = (blocks[t / block_size] * kv_heads + h) * block_size + t % block_size;
-        krow[i] = t < shared_len ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
-        vrow[i] = t < shared_len ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
-      }
-      pack_tile(krow, vrow, dim, span, packed_k.get() + h * span * dim + t0 * 2,
-                packed_v.get() + h * span * dim + t0 * dim);
+      pack_tile(keys, values, blocks, kv_heads, block_size, h, t0, shared_len, dim, zeros.data(), span,
+                packed_k.get() + h * span * dim + t0 * 2, packed_v.get() + h * span * dim + t0 * dim);
     }
   });
   const int64_t seq_tiles = (num_seqs + kSeqTile - 1) / kSeqTile;
@@ -606,6 +607,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     }
   }
 
+  // The first key a sequence of `len` tokens reads here: past the window, or past the shared prefix.
+  const auto first_key = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : shared_len; };
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     QueryRows<scalar_t, cache_t> q(groups, dim, scale);
     std::vector<float> acc(groups * dim), scores, inv_sum(groups);
@@ -613,7 +616,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / kv_heads, head = item % kv_heads;
       const int64_t len = lens[seq];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : shared_len;
+      const int64_t first = first_key(len);
       if (write_new) {
         const int64_t slot = slot_ptr[seq];
         const int64_t row = ((slot / block_size) * kv_heads + head) * block_size + slot % block_size;
@@ -638,8 +641,8 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
       typename PagedCache<cache_t>::Later next_keys;
       if (item + 1 < end) {
         const int64_t next_seq = (item + 1) / kv_heads, next_len = lens[next_seq];
-        const int64_t next_first = window > 0 ? std::max<int64_t>(0, next_len - window) : shared_len;
-        next_keys = cache.later(cache.keys, next_seq, (item + 1) % kv_heads, next_first / block_size, next_len);
+        next_keys = cache.later(cache.keys, next_seq, (item + 1) % kv_heads, first_key(next_len) / block_size,
+                                next_len);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), next_keys);
@@ -794,19 +797,10 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
   const auto packed_k = uninitialized<bf16>(packed_elems), packed_v = uninitialized<bf16>(packed_elems);
   const std::vector<uint16_t> zeros(dim, 0);
   at::parallel_for(0, static_cast<int64_t>(sources.size()) * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    const uint16_t* krow[kKeyTile];
-    const uint16_t* vrow[kKeyTile];
     for (int64_t item = begin; item < end; ++item) {
       const auto [c, t0] = sources[item / kv_heads];
-      const int64_t h = item % kv_heads, n = past[c] + lens[c];
-      for (int64_t i = 0; i < kKeyTile; ++i) {  // padding rows read zeros: their probabilities are zero too
-        const int64_t t = t0 + i;
-        const int64_t row = (table[c * width + t / block_size] * kv_heads + h) * block_size + t % block_size;
-        krow[i] = t < n ? reinterpret_cast<const uint16_t*>(keys + row * dim) : zeros.data();
-        vrow[i] = t < n ? reinterpret_cast<const uint16_t*>(values + row * dim) : zeros.data();
-      }
-      pack_tile(krow, vrow, dim, kKeyTile, packed_k.get() + item * tile_elems,
-                packed_v.get() + item * tile_elems);
+      pack_tile(keys, values, table + c * width, kv_heads, block_size, item % kv_heads, t0, past[c] + lens[c], dim,
+                zeros.data(), kKeyTile, packed_k.get() + item * tile_elems, packed_v.get() + item * tile_elems);
     }
   });
 
