@@ -10,6 +10,7 @@ phase of the machine hits them alike. The summary gives each variant's median an
 
     python benchmarks/step_profile.py --dtype bfloat16
     python benchmarks/step_profile.py --dtype bfloat16 --profile --steps decode64
+    python benchmarks/step_profile.py --backend openvino --kv-cache-dtype fp16 --steps decode64,prefill2048
     python benchmarks/step_profile.py --variant base: --variant fused:PAGEDLLM_CPU_FUSED_QKV=1 --repeat 20
 """
 
@@ -68,7 +69,7 @@ def make_llm(args, env: dict[str, str]):
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return LLM(args.model, dtype=args.dtype, max_model_len=2048, kv_cache_space=args.kv_cache_space,
+        return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=2048, kv_cache_space=args.kv_cache_space,
                    max_num_seqs=args.num_prompts, **({"kv_cache_dtype": args.kv_cache_dtype}
                                                      if args.kv_cache_dtype else {}))
     finally:
@@ -89,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--backend", default="cpu", help="cpu or openvino")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--kv-cache-space", type=float, default=1.0)

@@ -61,7 +61,7 @@ class PagedKVCache:
 
         self.buffers = []
         for cache in self.inputs:
-            buffer = np.zeros((num_blocks, cache.bytes_per_block), dtype=np.uint8)
+            buffer = _aligned_zeros(num_blocks, cache.bytes_per_block)
             request.set_tensor(cache.name, ov.Tensor(buffer, ov.Shape([num_blocks, *cache.block_shape]),
                                                      cache.element_type))
             self.buffers.append(buffer)
@@ -82,3 +82,12 @@ def _cache_input(port) -> CacheInput:
     # Bit width, not numpy itemsize: u4 packs two per byte, and bf16 has no numpy dtype.
     bits = int(np.prod(block_shape)) * element_type.bitwidth
     return CacheInput(port.get_any_name(), block_shape, element_type, -(-bits // 8))
+
+
+def _aligned_zeros(rows: int, row_bytes: int, alignment: int = 64) -> np.ndarray:
+    """numpy's large arrays start 16 bytes past a page, so every 64-byte vector load of the plugin's attention
+    would straddle two cache lines. A block of any head size that is a multiple of 32 is a whole number of cache
+    lines, so aligning the start aligns every block."""
+    raw = np.zeros(rows * row_bytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + rows * row_bytes].reshape(rows, row_bytes)

@@ -162,6 +162,14 @@ def test_bad_block_tables_are_refused_before_infer(tiny_llama):
     assert token_ids(llm) == token_ids(make_llm(tiny_llama))  # nothing was corrupted
 
 
+def test_kv_cache_blocks_start_on_cache_lines(tiny_llama):
+    """numpy alone starts large arrays 16 bytes past a line: the plugin's vector loads would straddle lines."""
+    llm = make_llm(tiny_llama, kv_cache_space=0.05)
+    buffers = llm.engine.backend.kv_cache.buffers
+    assert buffers and all(b.ctypes.data % 64 == 0 and b.shape[1] % 64 == 0 for b in buffers)
+    assert token_ids(llm) == token_ids(make_llm(tiny_llama))
+
+
 def test_pagedllm_backends_lists_openvino_available():
     out = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "backends"], check=True,
                          capture_output=True, text=True).stdout
