@@ -22,8 +22,9 @@ class KVCacheManager:
         self.cache_on_allocate = cache_on_allocate
         self.num_blocks = num_blocks
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
-        on_evict = self.prefix_cache.evict if self.prefix_cache is not None else None
-        self.allocator = BlockAllocator(num_blocks, on_evict=on_evict)
+        cache = self.prefix_cache
+        self.allocator = BlockAllocator(num_blocks, on_evict=cache.evict if cache is not None else None,
+                                        is_cached=cache.holds if cache is not None else None)
 
     # -- lookups -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> list[int]:

@@ -62,6 +62,10 @@ class PrefixCache:
         self._block_of[block_hash] = block
         self._key_of[block] = (block_hash, _ROOT_HASH if parent_hash is None else parent_hash, tuple(tokens))
 
+    def holds(self, block: int) -> bool:
+        """Whether the block's content is published (a later request may hit it)."""
+        return block in self._key_of
+
     def evict(self, block: int) -> None:
         """Forget a block's content: it is being reused for something else."""
         key = self._key_of.pop(block, None)

@@ -10,12 +10,19 @@ def test_allocates_in_order_and_counts():
     assert a.ref_counts == [1, 1, 0, 0]
 
 
-def test_freed_blocks_go_to_the_back_of_the_queue():
+def test_freed_blocks_holding_nothing_are_reused_first():
     a = BlockAllocator(4)
     blocks = a.allocate(3)
     a.free([blocks[1], blocks[0]])
-    assert a.free_order() == [3, 1, 0]
-    assert a.allocate(3) == [3, 1, 0]
+    assert a.free_order() == [0, 1, 3]  # the never-used block 3 comes after them
+    assert a.allocate(3) == [0, 1, 3]
+
+
+def test_freed_blocks_holding_a_cached_prefix_go_to_the_back():
+    a = BlockAllocator(4, is_cached=lambda block: block == 1)
+    a.allocate(3)
+    a.free([1, 0, 2])
+    assert a.free_order() == [2, 0, 3, 1]  # 1 is evicted last, after every block that holds nothing
 
 
 def test_touch_revives_a_free_block_and_shares_a_used_one():
@@ -51,4 +58,4 @@ def test_eviction_callback_fires_when_a_block_is_reused():
     a.allocate(2)
     a.free([1, 0])
     a.allocate(1)
-    assert evicted == [0, 1, 1]  # every allocation tells the cache; block 1 was first in the free queue
+    assert evicted == [0, 1, 0]  # every allocation tells the cache; block 0, freed last, was reused first

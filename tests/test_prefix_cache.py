@@ -55,8 +55,9 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     a = make_request("a", list(range(9)))  # 2 full blocks + 1
     run_prefill(kv, a)
     kv.free(a)
-    # Freed tail first: the partial block 2, then 1, then 0 -> 0 (the shared root) is evicted last.
-    assert kv.allocator.free_order() == [3, 2, 1, 0]
+    # The partial block 2 holds nothing cached: reused first. The full blocks go to the back, tail first, so 0
+    # (the shared root) is evicted last.
+    assert kv.allocator.free_order() == [2, 3, 1, 0]
     b = make_request("b", list(range(8)) + [5])
     assert run_prefill(kv, b) == [0, 1]
     kv.free(b)
