@@ -1,7 +1,8 @@
-"""Times single engine steps of W1's shape, and compares variants of the backend in paired steps.
+"""Times single engine steps of W1's and W3's shapes, and compares variants of the backend in paired steps.
 
 W1's batches are recorded from a real run (64 requests x 256 random prompt tokens, greedy): a 2048-token prefill
-step and decode steps of 64 sequences. Each chosen step is then re-run many times through ``backend.execute``,
+step and decode steps of 64 sequences. ``mixed16`` is the step that serves a W3 request its first token: 16
+sequences decoding at context ~300 and one new 256-token prompt. Each chosen step is then re-run many times through ``backend.execute``,
 with ``--profile`` under torch.profiler (its op table, by self CPU time).
 
 Paired steps compare variants on the same batches in one process: each ``--variant NAME:ENV=VALUE,...`` builds an
@@ -21,7 +22,8 @@ import os
 import statistics
 import time
 
-STEPS = ("prefill2048", "decode64", "decode1")
+STEPS = ("prefill2048", "decode64", "decode1", "mixed16")
+MIXED_DECODES = 16
 
 
 def record_batches(llm, num_prompts: int, input_len: int, decode_steps: int) -> dict:
@@ -50,7 +52,32 @@ def record_batches(llm, num_prompts: int, input_len: int, decode_steps: int) -> 
     prefill = next(b for b in seen if b.num_decodes == 0 and b.num_tokens >= 2048)
     decodes = [b for b in seen if b.num_decodes == b.num_seqs == num_prompts]
     one = _first_row(decodes[-1])
-    return {"prefill2048": prefill, "decode64": decodes[-1], "decode1": one}
+    return {"prefill2048": prefill, "decode64": decodes[-1], "decode1": one,
+            "mixed16": record_mixed_step(llm, prompts[:MIXED_DECODES + 1], decode_steps)}
+
+
+def record_mixed_step(llm, prompts: list[dict], decode_steps: int):
+    """The batch of the step that admits the last prompt while the others decode."""
+    from pagedllm import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 16, ignore_eos=True)
+    ids = [engine.add_request(f"mixed-{i}", prompt, params) for i, prompt in enumerate(prompts[:-1])]
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(decode_steps):
+        engine.step()
+    seen = []
+    execute = engine.backend.execute
+    engine.backend.execute = lambda batch: seen.append(batch) or execute(batch)
+    try:
+        ids.append(engine.add_request("mixed-new", prompts[-1], params))
+        engine.step()
+    finally:
+        engine.backend.execute = execute
+        engine.abort_request(ids)
+    return seen[0]
 
 
 def _first_row(batch):
