@@ -81,7 +81,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, batch: Batch) -> torch.Tensor | np.ndarray:
-        """Run one forward pass over the batch; return logits [len(batch.logits_indices), vocab]."""
+        """Run one forward pass over the batch; return logits [len(batch.logits_indices), vocab]. They may live in the
+        backend's own output buffer: the engine samples from them (and may change them in place) before it calls
+        ``execute`` again, and keeps no reference after."""
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the KV contents of blocks ``src[i]`` into ``dst[i]`` (copy-on-write of shared blocks)."""

@@ -140,7 +140,7 @@ class OpenVINOBackend(Backend):
 
         inputs = paged_inputs(batch, self.kv_cache.num_blocks, self.kv_cache.block_size)
         self.request.infer(inputs, share_inputs=True)
-        return self.request.get_tensor("logits").data[:, 0, :].copy()  # the output buffer is reused
+        return self.request.get_tensor("logits").data[:, 0, :]  # the plugin's buffer: used before the next infer
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.kv_cache.copy_blocks(src, dst)
