@@ -85,6 +85,11 @@ class Backend(abc.ABC):
         backend's own output buffer: the engine samples from them (and may change them in place) before it calls
         ``execute`` again, and keeps no reference after."""
 
+    def warm_up(self, batch: Batch) -> None:
+        """Run ``batch`` once before the first request, so that it does not pay one-time costs (kernels compiled,
+        primitives created, memory touched on first use). The batch writes KV blocks that are free. Default:
+        nothing."""
+
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy the KV contents of blocks ``src[i]`` into ``dst[i]`` (copy-on-write of shared blocks)."""
         raise NotImplementedError(f"backend {self.name!r} cannot copy KV blocks")

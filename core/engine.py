@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagedllm.backend import Backend, ModelInfo
+from pagedllm.batch import Batch
 from pagedllm.batch_builder import BatchBuilder
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.detokenizer import IncrementalDetokenizer
@@ -81,6 +82,8 @@ class LLMEngine:
             backend.check_block_size(config.block_size)
             num_blocks = _num_kv_blocks(config, backend.kv_cache_bytes_per_block(), backend.kv_caches_on_this_host())
             backend.allocate_kv_cache(num_blocks)
+            _warm_up(backend, config.block_size,
+                     min(WARM_UP_TOKENS, config.max_model_len, num_blocks * config.block_size))
         except BaseException:
             backend.shutdown()
             raise
@@ -450,3 +453,19 @@ def _eos_token_ids(tokenizer, source: ModelSource) -> frozenset[int]:
     if eos is not None:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return frozenset(ids)
+
+
+WARM_UP_TOKENS = 16  # a short prompt meets the first step's one-time costs in a fraction of a real prompt's time
+
+
+def _warm_up(backend: Backend, block_size: int, n: int) -> None:
+    """An ``n``-token prompt through the backend at start-up, into the first (free) blocks; its logits are dropped."""
+    start = time.perf_counter()
+    num_blocks = cdiv(n, block_size)
+    backend.warm_up(Batch(
+        input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
+        query_start_loc=np.array([0, n], dtype=np.int32), num_computed=np.zeros(1, dtype=np.int32),
+        seq_lens=np.array([n], dtype=np.int32), block_table=np.arange(num_blocks, dtype=np.int32)[None, :],
+        slot_mapping=np.arange(n, dtype=np.int64), logits_indices=np.array([n - 1], dtype=np.int64), num_decodes=0,
+        block_size=block_size))
+    logger.debug("warm-up step of %d tokens: %.0f ms", n, 1e3 * (time.perf_counter() - start))

@@ -136,3 +136,18 @@ def test_kv_cache_space_beyond_free_memory_names_both_numbers(tiny_llama):
     with pytest.raises(ConfigError, match=r"KV cache space 100000 GiB \(from --kv-cache-space\) is more than the "
                                           r"[0-9.]+ GiB of memory available"):
         LLM(str(tiny_llama), kv_cache_space=100000)
+
+
+def test_start_up_runs_one_short_prompt_and_leaves_the_engine_untouched(tiny_llama, monkeypatch):
+    """The warm-up meets the first step's one-time costs (kernels, primitives) before any request does."""
+    from pagedllm.backends.cpu.backend import CPUBackend
+
+    seen = []
+    execute = CPUBackend.execute
+    monkeypatch.setattr(CPUBackend, "execute", lambda self, batch: seen.append(batch) or execute(self, batch))
+    engine = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01).engine
+    (warm_up,) = seen
+    assert warm_up.num_seqs == 1 and warm_up.num_tokens == 16 and warm_up.num_decodes == 0
+    assert warm_up.slot_mapping.tolist() == list(range(16)) and len(warm_up.logits_indices) == 1
+    stats = engine.stats()
+    assert stats.steps == 0 and stats.prompt_tokens == 0 and stats.kv_blocks_used == 0

@@ -135,6 +135,10 @@ class CPUBackend(Backend):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks, self.config.block_size)
 
+    def warm_up(self, batch: Batch) -> None:
+        self.execute(batch)
+        self.release_thread()
+
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.runner.execute(batch)
 

@@ -135,6 +135,10 @@ class OpenVINOBackend(Backend):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache.allocate(num_blocks, self.request)
 
+    def warm_up(self, batch: Batch) -> None:
+        self.execute(batch)
+        self.release_thread()
+
     def execute(self, batch: Batch) -> np.ndarray:
         from pagedllm.backends.openvino.step_inputs import paged_inputs
 

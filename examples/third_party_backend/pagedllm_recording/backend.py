@@ -128,6 +128,9 @@ class RecordingBackend(Backend, metaclass=_WrappedClassAttributes):
         self._write({"event": "copy_blocks", "after_step": self._steps, "src": src.tolist(), "dst": dst.tolist()})
         self.inner.copy_blocks(src, dst)
 
+    def warm_up(self, batch: Batch) -> None:
+        self.inner.warm_up(batch)  # start-up, not a step: not recorded
+
     def describe(self) -> str:
         return f"recording every step to {self.path}; wrapped backend {self.inner.name}: {self.inner.describe()}"
 
