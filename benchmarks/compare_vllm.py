@@ -105,6 +105,12 @@ def cases_for(workload: str, engines: list[str]) -> list[Case]:
     return out
 
 
+def round_order(engines: list[str], round_index: int) -> list[str]:
+    """The engines in the given order in odd rounds, reversed in even ones: the VM drifts within a round, and the
+    engine that always ran first would carry that drift into every ratio."""
+    return list(engines) if round_index % 2 else list(reversed(engines))
+
+
 class Harness:
     def __init__(self, args: argparse.Namespace, work_dir: Path, hf_dir: Path) -> None:
         self.args = args
@@ -465,7 +471,7 @@ def main() -> None:
 
     for round_index in range(1, args.runs + 1):
         for name in args.workloads:
-            for case in cases_for(name, engines):
+            for case in cases_for(name, round_order(engines, round_index)):
                 harness.run(case, paths[name], round_index)
     summary = summarize(harness, args.workloads, engines)
     summary.update({"smoke": args.smoke, "model": source.name, "hf_dir": str(source.hf_dir),

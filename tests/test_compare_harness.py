@@ -50,3 +50,14 @@ def test_unknown_engines_are_refused_with_the_choices():
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert "--engines: unknown llama.cpp; choose from pagedllm, vllm, transformers" in proc.stderr
+
+
+def test_engines_take_turns_going_first_from_round_to_round():
+    sys.path.insert(0, str(HARNESS.parent))
+    try:
+        import compare_vllm
+    finally:
+        sys.path.remove(str(HARNESS.parent))
+    engines = ["pagedllm-openvino", "openvino-genai"]
+    assert [compare_vllm.round_order(engines, r) for r in (1, 2, 3)] == [engines, engines[::-1], engines]
+    assert engines == ["pagedllm-openvino", "openvino-genai"]  # the caller's list is left as it was
