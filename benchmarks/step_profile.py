@@ -2,8 +2,8 @@
 
 W1's batches are recorded from a real run (64 requests x 256 random prompt tokens, greedy): a 2048-token prefill
 step and decode steps of 64 sequences. ``mixed16`` is the step that serves a W3 request its first token: 16
-sequences decoding at context ~300 and one new 256-token prompt. Each chosen step is then re-run many times through ``backend.execute``,
-with ``--profile`` under torch.profiler (its op table, by self CPU time).
+sequences decoding at context ~300 and one new 256-token prompt. Each chosen step is then re-run many times through
+``backend.execute``, with ``--profile`` under torch.profiler (its op table, by self CPU time).
 
 Paired steps compare variants on the same batches in one process: each ``--variant NAME:ENV=VALUE,...`` builds an
 engine with those env vars set while it loads, and the variants run each step in turn, alternating, so a slow
@@ -96,8 +96,8 @@ def make_llm(args, env: dict[str, str]):
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=2048, kv_cache_space=args.kv_cache_space,
-                   max_num_seqs=args.num_prompts, **({"kv_cache_dtype": args.kv_cache_dtype}
+        return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=2048,
+                   kv_cache_space=args.kv_cache_space, max_num_seqs=args.num_prompts, **({"kv_cache_dtype": args.kv_cache_dtype}
                                                      if args.kv_cache_dtype else {}))
     finally:
         for name, value in saved.items():

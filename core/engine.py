@@ -468,4 +468,5 @@ def _warm_up(backend: Backend, block_size: int, n: int) -> None:
         seq_lens=np.array([n], dtype=np.int32), block_table=np.arange(num_blocks, dtype=np.int32)[None, :],
         slot_mapping=np.arange(n, dtype=np.int64), logits_indices=np.array([n - 1], dtype=np.int64), num_decodes=0,
         block_size=block_size))
+    backend.release_thread()  # the loading thread need not be the one that steps
     logger.debug("warm-up step of %d tokens: %.0f ms", n, 1e3 * (time.perf_counter() - start))

@@ -137,7 +137,6 @@ class CPUBackend(Backend):
 
     def warm_up(self, batch: Batch) -> None:
         self.execute(batch)
-        self.release_thread()
 
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.runner.execute(batch)

@@ -137,7 +137,6 @@ class OpenVINOBackend(Backend):
 
     def warm_up(self, batch: Batch) -> None:
         self.execute(batch)
-        self.release_thread()
 
     def execute(self, batch: Batch) -> np.ndarray:
         from pagedllm.backends.openvino.step_inputs import paged_inputs

@@ -13,7 +13,8 @@ from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.swiglu import use_fused_swiglu
 
 kernels, _ = load_kernels("auto")
-pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"),
+              pytest.mark.cpu_isa]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
