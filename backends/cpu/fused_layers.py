@@ -1,7 +1,8 @@
 """Llama decoder layers as one fused forward: one GEMM for q, k and v and one for gate and up (the weights
-concatenated once at load), RoPE, SiLU-and-multiply and "add the attention output to the residual stream, then
+concatenated once at load), RoPE, SiLU-and-multiply and "add a sublayer's output to the residual stream, then
 RMSNorm it" in C++ kernels, and the residual stream optionally kept in float32 under bf16 weights (as llama.cpp
-does: bf16 rounding then touches only what enters a GEMM).
+does: bf16 rounding then touches only what enters a GEMM). A layer followed by another fused one leaves its MLP
+output for that layer's first norm to add, so the stream is read and written once per sublayer, not twice.
 
 A layer qualifies when its own code, its attention's, its MLP's and its norms' are transformers' Llama code,
 bytecode for bytecode (as for the single kernels): SmolLM2 and Llama 3 do; Mistral and Qwen2 pass a sliding window
@@ -59,6 +60,8 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
         return 0
     llama = _llama_code()
     layers = [m for m in model.modules() if _qualifies(m, llama)]
+    carry = _ResidualCarry()
+    deferring = _followed_by_fused(model, layers)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         # Widths from the layers, not the config: a tensor-parallel rank holds a share of the heads and columns.
@@ -68,12 +71,39 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # the weights are held once
         for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             setattr(part, INSIDE_FUSED_LAYER, True)
-        layer.forward = _fused_forward(layer, kernels, residual_dtype, *widths)
+        layer.forward = _fused_forward(layer, kernels, residual_dtype, *widths, carry=carry,
+                                       receives=id(layer) in deferring.values(), defers=id(layer) in deferring)
     return len(layers)
 
 
+class _ResidualCarry:
+    """An MLP output not yet added to the residual stream, handed from one fused layer to the next."""
+
+    def __init__(self) -> None:
+        self.stream: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+
+    def take(self, stream: torch.Tensor) -> torch.Tensor:
+        pending, owner = self.pending, self.stream
+        self.stream = self.pending = None
+        if pending is None or owner is not stream:
+            raise RuntimeError("a fused decoder layer's output was not passed straight to the next layer")
+        return pending
+
+
+def _followed_by_fused(model: torch.nn.Module, layers: list[torch.nn.Module]) -> dict[int, int]:
+    """id(layer) -> id(next layer) for each fused layer that the model's layer list runs right before another."""
+    fused = set(map(id, layers))
+    pairs = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            items = list(module)
+            pairs.update({id(a): id(b) for a, b in zip(items, items[1:]) if id(a) in fused and id(b) in fused})
+    return pairs
+
+
 def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype, q_width: int, kv_width: int,
-                   intermediate: int):
+                   intermediate: int, carry: _ResidualCarry, receives: bool, defers: bool):
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
     input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
@@ -85,8 +115,12 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
         # place after that.
         stream = hidden_states if hidden_states.dtype == residual_dtype else hidden_states.to(residual_dtype)
         tokens = stream.shape[:-1]
+        eps = float(input_norm.variance_epsilon)
+        if receives:
+            x = kernels.add_rms_norm(carry.take(stream), stream, input_norm.weight, eps)
+        else:
+            x = kernels.rms_norm(stream, input_norm.weight, eps)
         # The projections are looked up per call: they are swapped for packed ones after this.
-        x = kernels.rms_norm(stream, input_norm.weight, float(input_norm.variance_epsilon))
         qkv = attn.qkv_proj(x)
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
         cos, sin = position_embeddings
@@ -98,6 +132,9 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
         x = kernels.add_rms_norm(h, stream, post_norm.weight, float(post_norm.variance_epsilon))
         gate_up = mlp.gate_up_proj(x)
         h = mlp.down_proj(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
+        if defers:
+            carry.stream, carry.pending = stream, h
+            return stream
         return stream.add_(h)
 
     return forward

@@ -37,3 +37,34 @@ def test_bf16_runs_with_either_residual_stream(tiny_llama, residual):
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 3  # first tokens of a random tiny model mostly agree
     llm.shutdown()
     reference.shutdown()
+
+
+def test_each_layer_leaves_its_mlp_output_to_the_next_fused_one(tiny_model_dirs):
+    from pagedllm.backends.cpu.fused_layers import _followed_by_fused
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    layers = list(model.model.layers)
+    assert len(layers) == 2
+    assert _followed_by_fused(model, layers) == {id(layers[0]): id(layers[1])}  # the last one adds its own output
+    assert _followed_by_fused(model, layers[:1]) == {}  # nor does a layer hand it to one that is not fused
+
+
+def test_a_failed_step_leaves_no_residual_behind(tiny_llama):
+    """A step that raises halfway through the layers must not leave a pending MLP output for the next step."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01)
+    prompts = [[5, 9, 33, 71, 100, 7, 8]]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    mlp = llm.engine.backend.runner.model.model.layers[1].mlp
+    down = mlp.down_proj
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("injected")
+
+    mlp.down_proj = Boom()
+    failed = llm.generate(prompts, greedy, use_tqdm=False)
+    assert not any(completion.token_ids for output in failed for completion in output.outputs)
+    mlp.down_proj = down
+    assert llm.generate(prompts, greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm.shutdown()
