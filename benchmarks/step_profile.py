@@ -11,6 +11,7 @@ phase of the machine hits them alike. The summary gives each variant's median an
 
     python benchmarks/step_profile.py --dtype bfloat16
     python benchmarks/step_profile.py --dtype bfloat16 --profile --steps decode64
+    python benchmarks/step_profile.py --dtype bfloat16 --kernel-times --steps prefill2048,decode64,mixed16,decode1
     python benchmarks/step_profile.py --backend openvino --kv-cache-dtype fp16 --steps decode64,prefill2048
     python benchmarks/step_profile.py --variant base: --variant fused:PAGEDLLM_CPU_FUSED_QKV=1 --repeat 20
 """
@@ -107,6 +108,56 @@ def make_llm(args, env: dict[str, str]):
                 os.environ[name] = value
 
 
+def kernel_times(llm, batch, repeat: int) -> list[tuple[str, float, int]]:
+    """(part, ms per step, calls per step) for each C++ kernel and each packed linear shape of the cpu backend, and
+    the rest of the step: torch.profiler does not see the pybind kernels."""
+    from collections import defaultdict
+
+    from pagedllm.backends.cpu import packed_linear
+
+    kernels = getattr(getattr(llm.engine.backend, "runner", None), "kernels", None)
+    if kernels is None:
+        return []
+    spent: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+                calls[name] += 1
+        return call
+
+    names = [n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)) and n != "bind_threads"]
+    originals = {n: getattr(kernels, n) for n in names}
+    linear_forward = packed_linear.PackedLinear.forward
+
+    def linear(self, x):
+        return timed(f"linear {self.in_features}x{self.out_features}", linear_forward)(self, x)
+
+    try:
+        for n in names:
+            setattr(kernels, n, timed(n, originals[n]))
+        packed_linear.PackedLinear.forward = linear
+        llm.engine.backend.execute(batch)
+        spent.clear()
+        calls.clear()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            llm.engine.backend.execute(batch)
+        total = (time.perf_counter() - start) / repeat
+    finally:
+        for n in names:
+            setattr(kernels, n, originals[n])
+        packed_linear.PackedLinear.forward = linear_forward
+    rows = sorted(((n, 1e3 * t / repeat, calls[n] // repeat) for n, t in spent.items()), key=lambda r: -r[1])
+    return rows + [("rest (Python, torch ops)", 1e3 * (total - sum(spent.values()) / repeat), 0),
+                   ("step", 1e3 * total, 1)]
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     name, _, settings = text.partition(":")
     env = dict(item.split("=", 1) for item in settings.split(",") if item)
@@ -131,6 +182,9 @@ def main() -> None:
                              "engine as configured)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's op table for each step (first "
                                                                 "variant)")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="time in each C++ kernel and each linear layer shape per step (cpu backend, first "
+                             "variant)")
     args = parser.parse_args()
     import torch
 
@@ -163,6 +217,9 @@ def main() -> None:
                 for _ in range(3):
                     llm.engine.backend.execute(batch)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        if args.kernel_times:
+            for part, ms, calls in kernel_times(first, batch, args.repeat):
+                print(f"  {part:>28}: {ms:8.2f} ms" + (f"  ({calls} calls)" if calls > 1 else ""))
     for llm in llms.values():
         llm.shutdown()
 
