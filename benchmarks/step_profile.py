@@ -97,9 +97,9 @@ def make_llm(args, env: dict[str, str]):
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
+        extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
         return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=2048,
-                   kv_cache_space=args.kv_cache_space, max_num_seqs=args.num_prompts, **({"kv_cache_dtype": args.kv_cache_dtype}
-                                                     if args.kv_cache_dtype else {}))
+                   kv_cache_space=args.kv_cache_space, max_num_seqs=args.num_prompts, **extra)
     finally:
         for name, value in saved.items():
             if value is None:

@@ -62,6 +62,7 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
     layers = [m for m in model.modules() if _qualifies(m, llama)]
     carry = _ResidualCarry()
     deferring = _followed_by_fused(model, layers)
+    receiving = set(deferring.values())
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         # Widths from the layers, not the config: a tensor-parallel rank holds a share of the heads and columns.
@@ -72,7 +73,7 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
         for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             setattr(part, INSIDE_FUSED_LAYER, True)
         layer.forward = _fused_forward(layer, kernels, residual_dtype, *widths, carry=carry,
-                                       receives=id(layer) in deferring.values(), defers=id(layer) in deferring)
+                                       receives=id(layer) in receiving, defers=id(layer) in deferring)
     return len(layers)
 
 
@@ -107,6 +108,7 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
     attn, mlp = layer.self_attn, layer.mlp
     head_dim = attn.head_dim
     input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+    input_eps, post_eps = float(input_norm.variance_epsilon), float(post_norm.variance_epsilon)
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,
                 past_key_values=None, use_cache: bool | None = False,
@@ -115,11 +117,10 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
         # place after that.
         stream = hidden_states if hidden_states.dtype == residual_dtype else hidden_states.to(residual_dtype)
         tokens = stream.shape[:-1]
-        eps = float(input_norm.variance_epsilon)
         if receives:
-            x = kernels.add_rms_norm(carry.take(stream), stream, input_norm.weight, eps)
+            x = kernels.add_rms_norm(carry.take(stream), stream, input_norm.weight, input_eps)
         else:
-            x = kernels.rms_norm(stream, input_norm.weight, eps)
+            x = kernels.rms_norm(stream, input_norm.weight, input_eps)
         # The projections are looked up per call: they are swapped for packed ones after this.
         qkv = attn.qkv_proj(x)
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
@@ -129,7 +130,7 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
         out, _ = attention.paged_attention(attn, q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2),
                                            v.view(heads).transpose(1, 2), None, scaling=attn.scaling, **kwargs)
         h = attn.o_proj(out.reshape(*tokens, -1))
-        x = kernels.add_rms_norm(h, stream, post_norm.weight, float(post_norm.variance_epsilon))
+        x = kernels.add_rms_norm(h, stream, post_norm.weight, post_eps)
         gate_up = mlp.gate_up_proj(x)
         h = mlp.down_proj(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
         if defers:

@@ -49,8 +49,33 @@ def test_each_layer_leaves_its_mlp_output_to_the_next_fused_one(tiny_model_dirs)
     assert _followed_by_fused(model, layers[:1]) == {}  # nor does a layer hand it to one that is not fused
 
 
-def test_a_failed_step_leaves_no_residual_behind(tiny_llama):
-    """A step that raises halfway through the layers must not leave a pending MLP output for the next step."""
+def test_a_step_hands_each_mlp_output_to_the_next_norm(tiny_llama):
+    """Every layer but the first adds the previous MLP output in its input norm: add + RMSNorm twice per layer but
+    once in the first, plain RMSNorm only there and in the model's final norm."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01)
+    layers = llm.engine.model_info.num_layers
+    counts = {"add_rms_norm": 0, "rms_norm": 0}
+    originals = {name: getattr(kernels, name) for name in counts}
+
+    def counted(name):
+        def call(*args):
+            counts[name] += 1
+            return originals[name](*args)
+        return call
+
+    try:
+        for name in counts:
+            setattr(kernels, name, counted(name))
+        llm.generate([[5, 9, 33, 71]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        for name, fn in originals.items():
+            setattr(kernels, name, fn)
+    assert counts == {"add_rms_norm": 2 * layers - 1, "rms_norm": 2}
+    llm.shutdown()
+
+
+def test_a_failed_step_leaves_the_next_steps_unchanged(tiny_llama):
+    """A step that raises inside a layer's MLP fails its request; the next steps compute what they did before."""
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01)
     prompts = [[5, 9, 33, 71, 100, 7, 8]]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
