@@ -153,15 +153,21 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] (after RoPE) -> ([1, T, Hq, D], None)."""
-    md: PagedAttentionMetadata = kwargs["paged_metadata"]
-    window = kwargs.get("sliding_window")
-    k_cache, v_cache = md.kv_caches[module.layer_idx]
-    _, num_heads, num_tokens, dim = query.shape
-    num_kv_heads = key.shape[1]
-    groups = num_heads // num_kv_heads
-    dtype = query.dtype
+    out = attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 scaling, kwargs.get("sliding_window"), kwargs["paged_metadata"])
+    return out.unsqueeze(0), None
 
-    new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+
+def attend(layer_idx: int, q: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float | None,
+           window: int | None, md: PagedAttentionMetadata) -> torch.Tensor:
+    """Token-major attention of one layer: q [T, Hq, D], new_keys/new_values [T, Hkv, D] (after RoPE) -> [T, Hq, D].
+    The fused decoder layers call this straight, without transformers' head-major views."""
+    k_cache, v_cache = md.kv_caches[layer_idx]
+    num_tokens, num_heads, dim = q.shape
+    num_kv_heads = new_keys.shape[1]
+    groups = num_heads // num_kv_heads
+    dtype = q.dtype
+
     nd = md.num_decodes
     # With the C++ kernels, plain caches are written by them: the decodes' rows by the decode kernel (the block read
     # that follows pays for those cache lines once), the prompt tokens' by one pass; the rest by a torch row copy.
@@ -175,7 +181,6 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         k_cache.write(new_keys[first:], rows)
         v_cache.write(new_values[first:], rows)
 
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
     out = torch.empty(num_tokens, num_heads, dim, dtype=dtype)
     scale = dim ** -0.5 if scaling is None else scaling
     if md.kernels is not None:
@@ -205,7 +210,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                                             scale=scaling)
         op = op.view(p, num_kv_heads, groups, max_q, dim).permute(0, 3, 1, 2, 4).reshape(p * max_q, num_heads, dim)
         out[group.tokens] = op.index_select(0, group.valid_rows)
-    return out.unsqueeze(0), None
+    return out
 
 
 def register() -> None:

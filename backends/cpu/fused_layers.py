@@ -109,6 +109,7 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
     head_dim = attn.head_dim
     input_norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     input_eps, post_eps = float(input_norm.variance_epsilon), float(post_norm.variance_epsilon)
+    layer_idx = attn.layer_idx
 
     def forward(hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,
                 past_key_values=None, use_cache: bool | None = False,
@@ -121,18 +122,19 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
             x = kernels.add_rms_norm(carry.take(stream), stream, input_norm.weight, input_eps)
         else:
             x = kernels.rms_norm(stream, input_norm.weight, input_eps)
-        # The projections are looked up per call: they are swapped for packed ones after this.
-        qkv = attn.qkv_proj(x)
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        # The projections are looked up per call (they are swapped for packed ones after this). Their forward and the
+        # token-major attention are called straight: module calls' hook checks and transformers' head-major views
+        # are Python work a small decode step pays in every layer.
+        q, k, v = attn.qkv_proj.forward(x).split([q_width, kv_width, kv_width], dim=-1)
         cos, sin = position_embeddings
         kernels.rotary_embedding(q, k, cos.contiguous(), sin.contiguous(), head_dim)
-        heads = (*tokens, -1, head_dim)
-        out, _ = attention.paged_attention(attn, q.view(heads).transpose(1, 2), k.view(heads).transpose(1, 2),
-                                           v.view(heads).transpose(1, 2), None, scaling=attn.scaling, **kwargs)
-        h = attn.o_proj(out.reshape(*tokens, -1))
+        heads = (stream.shape[-2], -1, head_dim)
+        out = attention.attend(layer_idx, q.view(heads), k.view(heads), v.view(heads), attn.scaling,
+                               kwargs.get("sliding_window"), kwargs["paged_metadata"])
+        h = attn.o_proj.forward(out.view(*tokens, -1))
         x = kernels.add_rms_norm(h, stream, post_norm.weight, post_eps)
-        gate_up = mlp.gate_up_proj(x)
-        h = mlp.down_proj(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
+        gate_up = mlp.gate_up_proj.forward(x)
+        h = mlp.down_proj.forward(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
         if defers:
             carry.stream, carry.pending = stream, h
             return stream
