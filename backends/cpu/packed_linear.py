@@ -28,9 +28,8 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        # oneDNN takes the leading dimensions as rows itself: one op call, no reshape around it.
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
