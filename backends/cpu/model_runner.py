@@ -15,6 +15,7 @@ from pagedllm.batch import Batch
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
 from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
+from pagedllm.backends.cpu.huge_pages import weights_on_huge_pages
 from pagedllm.backends.cpu.packed_linear import use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.rotary import use_fused_rotary
@@ -67,6 +68,7 @@ class ModelRunner:
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
                     *fused)
+        logger.info(weights_on_huge_pages(self.model))
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
