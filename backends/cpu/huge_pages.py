@@ -1,8 +1,7 @@
 """A small model's weights moved onto 2 MiB pages once they are loaded and packed.
 
 The weights come from malloc, on 4 KiB pages. A decode step streams all of them through small GEMMs, and in a VM
-each TLB miss walks two levels of page tables: for a model of a few hundred MB, page walks cost more than the
-bytes. Linux's MADV_COLLAPSE (6.1+) rebuilds the pages under the weights as huge pages in place. The rebuild copies
+each TLB miss walks two levels of page tables: small GEMMs wait on page walks as well as on the bytes. Linux's MADV_COLLAPSE (6.1+) rebuilds the pages under the weights as huge pages in place. The rebuild copies
 the weights once, so it is done only up to MAX_BYTES: larger models are bound by memory bandwidth, where huge pages
 gain little and the copy costs seconds.
 """
@@ -24,10 +23,11 @@ _ERRORS = {11: "EAGAIN, no free huge page", 12: "ENOMEM", 22: "EINVAL, Linux old
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
-    """(address, bytes) of a tensor's data; oneDNN-packed weights are opaque tensors with their own buffer."""
+    """(address, bytes) of a tensor's memory; oneDNN-packed weights are opaque tensors with their own buffer."""
     if tensor.is_mkldnn:
         return torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)
-    return tensor.data_ptr(), tensor.untyped_storage().nbytes()
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def weight_spans(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> list[tuple[int, int]]:
