@@ -98,6 +98,7 @@ def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
     assert "threads bound to CPUs" in text and "NUMA node" in text
     assert "TCMalloc" in text and "IPEX" in text
     assert "KV cache:" in text and "blocks of 8 tokens" in text
+    assert "weights on " in text and "pages" in text  # the huge-pages step ran at load and said what it chose
 
 
 @pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C++ kernels could not be built here")
