@@ -133,15 +133,19 @@ def kernel_times(llm, batch, repeat: int) -> list[tuple[str, float, int]]:
 
     names = [n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)) and n != "bind_threads"]
     originals = {n: getattr(kernels, n) for n in names}
-    linear_forward = packed_linear.PackedLinear.forward
+    linear_classes = (packed_linear.PackedLinear, packed_linear.BrgemmLinear)
+    linear_forwards = {cls: cls.forward for cls in linear_classes}
 
-    def linear(self, x):
-        return timed(f"linear {self.in_features}x{self.out_features}", linear_forward)(self, x)
+    def timed_linear(forward):
+        def linear(self, x):
+            return timed(f"linear {self.in_features}x{self.out_features}", forward)(self, x)
+        return linear
 
     try:
         for n in names:
             setattr(kernels, n, timed(n, originals[n]))
-        packed_linear.PackedLinear.forward = linear
+        for cls, forward in linear_forwards.items():
+            cls.forward = timed_linear(forward)
         llm.engine.backend.execute(batch)
         spent.clear()
         calls.clear()
@@ -152,7 +156,8 @@ def kernel_times(llm, batch, repeat: int) -> list[tuple[str, float, int]]:
     finally:
         for n in names:
             setattr(kernels, n, originals[n])
-        packed_linear.PackedLinear.forward = linear_forward
+        for cls, forward in linear_forwards.items():
+            cls.forward = forward
     rows = sorted(((n, 1e3 * t / repeat, calls[n] // repeat) for n, t in spent.items()), key=lambda r: -r[1])
     return rows + [("rest (Python, torch ops)", 1e3 * (total - sum(spent.values()) / repeat), 0),
                    ("step", 1e3 * total, 1)]
@@ -200,8 +205,10 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in llms}
         for name, llm in llms.items():  # warm-up
             llm.engine.backend.execute(batches[name][step])
-        for _ in range(args.repeat):
-            for name, llm in llms.items():
+        order = list(llms.items())
+        for round_ in range(args.repeat):
+            # Each round starts at the next variant, so that no variant always runs right after the same one.
+            for name, llm in order[round_ % len(order):] + order[:round_ % len(order)]:
                 start = time.perf_counter()
                 llm.engine.backend.execute(batches[name][step])
                 times[name].append(time.perf_counter() - start)

@@ -1,5 +1,5 @@
-"""The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, RMSNorm, SwiGLU's
-silu(gate) * up, rotary embedding, thread pinning), compiled by torch's extension loader once per ISA level.
+"""The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, bf16 linear layers, RMSNorm,
+SwiGLU's silu(gate) * up, rotary embedding, thread pinning), compiled by torch's extension loader once per ISA level.
 
 Each level (see cpu_features) is its own build with that level's instruction set, cached under the pagedllm cache
 directory keyed by the sources, torch's version and the level, so a cache built on one machine serves any machine
@@ -79,7 +79,7 @@ def load_kernels(mode: str = "auto", level: str | None = None):
     if fresh:
         logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
     return module, (f"C++ kernels built for {build} (paged attention for decodes and prompts, RMSNorm, "
-                    f"SiLU-and-multiply, RoPE)")
+                    f"SiLU-and-multiply, RoPE{', bf16 linear layers' if module.linear_bf16_available() else ''})")
 
 
 def attention_mode() -> str:

@@ -24,6 +24,7 @@ from pagedllm.backends.cpu.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.threads import ThreadBinder
 
 logger = logging.getLogger("pagedllm.cpu")
+LINEAR_KINDS = {"brgemm": "bf16 through brgemm tiles", "oneDNN": "packed for oneDNN"}
 
 
 class ModelRunner:
@@ -62,8 +63,9 @@ class ModelRunner:
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
-        packed = use_packed_linears(self.model)
-        logger.info("linear layers: %s", f"{packed} packed for oneDNN" if packed else "nn.Linear")
+        packed = use_packed_linears(self.model, self.kernels)
+        logger.info("linear layers: %s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
+                                                   if count) or "nn.Linear")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",

@@ -1,11 +1,12 @@
-"""Linear layers through oneDNN, their weights reordered once at load into its blocked layout (float32, and bfloat16
-where the CPU has AVX-512).
+"""Linear layers over weights packed once at load: bfloat16 ones as tile GEMMs through torch's brgemm where the
+C++ kernels have it (AVX512_BF16, AMX), float32 ones (and bfloat16 without AVX512_BF16) through oneDNN's matmul.
 
-nn.Linear goes to MKL's sgemm, which re-reads the plain [out, in] weight on every call; oneDNN (inside torch, the
-same kernels OpenVINO uses) with the weight packed once is faster at decode sizes. The packed weight replaces the
-plain one, so the weights are held once; a head tied to the embeddings keeps the embedding's copy and adds its
-packed one. Sums in another order: equal to nn.Linear to fp32 rounding, not bit for bit. In bf16, nn.Linear reorders
-the plain weight into oneDNN's layout on every call, which packing once saves.
+nn.Linear goes to MKL's sgemm, which re-reads the plain [out, in] weight on every call, and in bf16 reorders it into
+oneDNN's layout on every call; packing once saves that. oneDNN's matmul primitive still pays a cost per call that
+dominates the small GEMMs of decode steps; brgemm's micro-kernels, called per block of columns, do not (see
+docs/performance.md). The packed weight replaces the plain one, so the weights are held once; a head tied to the
+embeddings keeps the embedding's copy and adds its packed one. Sums in another order: equal to nn.Linear to the
+dtype's rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,29 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class BrgemmLinear(torch.nn.Module):
+    """nn.Linear's forward in bfloat16 through the C++ kernels' brgemm tiles, over a weight in their block layout."""
+
+    def __init__(self, linear: torch.nn.Linear, kernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", kernels.pack_linear_weight_bf16(linear.weight.detach()))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self._linear = kernels.linear_bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_brgemm(linear: torch.nn.Linear, kernels) -> bool:
+    """bf16 weights of an even input width (brgemm takes pairs of bf16), with kernels built for AVX512_BF16."""
+    return (kernels is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
+            and kernels.linear_bf16_available())
+
+
 def can_pack(dtype: torch.dtype = torch.float32) -> bool:
     """oneDNN packs float32 weights on any x86 CPU, bfloat16 ones only with AVX-512 (its bf16 kernels need it)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
@@ -45,11 +69,18 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
     return dtype == torch.float32
 
 
-def use_packed_linears(model: torch.nn.Module) -> int:
-    """Swap every plain nn.Linear of the model whose dtype oneDNN packs here for a PackedLinear; returns how many."""
+def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
+    """Swap every plain nn.Linear of the model for a BrgemmLinear where the kernels can run it, else for a
+    PackedLinear where oneDNN packs its dtype here; returns how many of each ("brgemm", "oneDNN")."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
-    names = [name for name, module in model.named_modules()
-             if type(module) is torch.nn.Linear and module.weight.dtype in dtypes]
+    counts = {"brgemm": 0, "oneDNN": 0}
+    names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
-        model.set_submodule(name, PackedLinear(model.get_submodule(name)))
-    return len(names)
+        linear = model.get_submodule(name)
+        if can_brgemm(linear, kernels):
+            model.set_submodule(name, BrgemmLinear(linear, kernels))
+            counts["brgemm"] += 1
+        elif linear.weight.dtype in dtypes:
+            model.set_submodule(name, PackedLinear(linear))
+            counts["oneDNN"] += 1
+    return counts

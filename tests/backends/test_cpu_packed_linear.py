@@ -1,9 +1,14 @@
-"""oneDNN-packed linear layers give nn.Linear's results (to fp32 rounding) and replace the plain weights."""
+"""Packed linear layers (oneDNN's, and the kernels' brgemm tiles for bf16) give nn.Linear's results to the dtype's
+rounding and replace the plain weights."""
 
 import pytest
 import torch
 
-from pagedllm.backends.cpu.packed_linear import PackedLinear, can_pack, use_packed_linears
+from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu.packed_linear import BrgemmLinear, PackedLinear, can_pack, use_packed_linears
+
+kernels, _ = load_kernels("auto")
+has_brgemm = kernels is not None and kernels.linear_bf16_available()
 
 pytestmark = [pytest.mark.skipif(not can_pack(), reason="this torch has no oneDNN weight packing"), pytest.mark.cpu_isa]
 
@@ -15,7 +20,7 @@ def test_packed_linear_matches_nn_linear(bias, rows):
     model = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=bias), torch.nn.GELU(), torch.nn.Linear(40, 24, bias=bias))
     x = torch.randn(1, rows, 96)
     expected = model(x)
-    assert use_packed_linears(model) == 2
+    assert use_packed_linears(model) == {"brgemm": 0, "oneDNN": 2}
     assert isinstance(model[0], PackedLinear) and isinstance(model[2], PackedLinear)
     assert model[0].weight.is_mkldnn  # the plain weight is gone, not kept beside the packed one
     got = model(x)
@@ -30,7 +35,7 @@ def test_a_tied_head_keeps_the_embedding_weight():
     model = torch.nn.ModuleDict({"embed": embed, "head": head})
     ids = torch.tensor([[3, 7, 11]])
     expected = model["head"](model["embed"](ids))
-    assert use_packed_linears(model) == 1
+    assert use_packed_linears(model) == {"brgemm": 0, "oneDNN": 1}
     assert isinstance(model["head"], PackedLinear)
     torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-5, rtol=1e-5)
     assert not model["embed"].weight.is_mkldnn
@@ -43,12 +48,67 @@ def test_bf16_layers_are_packed_where_the_cpu_has_avx512(rows):
     model = torch.nn.Sequential(torch.nn.Linear(96, 40).to(torch.bfloat16))
     x = torch.randn(rows, 96).to(torch.bfloat16)
     expected = model(x)
-    assert use_packed_linears(model) == 1 and isinstance(model[0], PackedLinear)
+    assert use_packed_linears(model)["oneDNN"] == 1 and isinstance(model[0], PackedLinear)
     torch.testing.assert_close(model(x), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(can_pack(torch.bfloat16), reason="this CPU packs bf16 weights")
 def test_bf16_layers_keep_nn_linear_without_avx512():
     model = torch.nn.Sequential(torch.nn.Linear(8, 4).to(torch.bfloat16))
-    assert use_packed_linears(model) == 0
+    assert use_packed_linears(model, kernels) == {"brgemm": 0, "oneDNN": 0}
     assert type(model[0]) is torch.nn.Linear
+
+
+brgemm_only = pytest.mark.skipif(not has_brgemm, reason="the bf16 brgemm linear needs kernels built for AVX512_BF16")
+
+
+@brgemm_only
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 65, 300])
+@pytest.mark.parametrize("in_features, out_features", [(96, 40), (64, 100), (18, 130), (2, 3), (160, 576)])
+def test_brgemm_linear_matches_nn_linear_in_bf16(bias, rows, in_features, out_features):
+    """Widths that are not a multiple of the 64-column blocks, row counts across the 64-row tiles, two leading
+    dimensions: nn.Linear's bf16 output, rounded from the same float32 sums (up to their order)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16))
+    x = torch.randn(2, rows, in_features).to(torch.bfloat16)
+    expected = model(x)
+    assert use_packed_linears(model, kernels) == {"brgemm": 1, "oneDNN": 0}
+    assert isinstance(model[0], BrgemmLinear)
+    assert model[0].weight.shape != (out_features, in_features)  # the plain weight is gone
+    got = model(x)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16 and got.is_contiguous()
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+@brgemm_only
+def test_brgemm_linear_takes_strided_rows():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 72).to(torch.bfloat16))
+    wide = torch.randn(10, 130).to(torch.bfloat16)
+    inputs = [wide[:, 3:67], wide[:, ::2][:, :64], wide[:, :128].reshape(10, 2, 64).transpose(0, 1)]
+    expected = [model(x) for x in inputs]
+    use_packed_linears(model, kernels)
+    for x, want in zip(inputs, expected):
+        torch.testing.assert_close(model(x), want, atol=1e-2, rtol=1e-2)
+
+
+@brgemm_only
+def test_odd_input_widths_and_float32_stay_with_onednn():
+    """brgemm takes pairs of bf16 along the input; float32 layers keep oneDNN's packing."""
+    model = torch.nn.Sequential(torch.nn.Linear(9, 16).to(torch.bfloat16), torch.nn.Linear(16, 8))
+    assert use_packed_linears(model, kernels) == {"brgemm": 0, "oneDNN": 2}
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1], PackedLinear)
+
+
+@brgemm_only
+def test_a_tied_bf16_head_keeps_the_embedding_weight():
+    embed = torch.nn.Embedding(50, 16).to(torch.bfloat16)
+    head = torch.nn.Linear(16, 50, bias=False).to(torch.bfloat16)
+    head.weight = embed.weight
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    ids = torch.tensor([[3, 7, 11]])
+    expected = model["head"](model["embed"](ids))
+    assert use_packed_linears(model, kernels) == {"brgemm": 1, "oneDNN": 0}
+    torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-2, rtol=1e-2)
+    assert model["embed"].weight.shape == (50, 16)

@@ -24,6 +24,10 @@ torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor residual, torch::Tenso
 torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
 void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, int64_t head_size);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
+bool linear_bf16_available();
+torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight);
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
@@ -43,5 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, elementwise");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE applied in place to query and key rows",
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"), py::arg("head_size"));
+  m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the bf16 brgemm linear");
+  m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "a bf16 [out, in] weight in linear_bf16's layout");
+  m.def("linear_bf16", &linear_bf16, "x @ weight.T + bias over a weight from pack_linear_weight_bf16",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }
