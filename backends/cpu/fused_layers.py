@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.backends.cpu import attention
 from pagedllm.backends.cpu.module_swap import INSIDE_FUSED_LAYER, code_of
+from pagedllm.backends.cpu.packed_linear import SWIGLU_GATE_UP
 
 RESIDUAL_DTYPES = ("float32", "model")
 
@@ -69,6 +70,7 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
         widths = (attn.q_proj.out_features, attn.k_proj.out_features, mlp.gate_proj.out_features)
         attn.qkv_proj = _concatenated(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
+        setattr(mlp.gate_up_proj, SWIGLU_GATE_UP, True)
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # the weights are held once
         for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             setattr(part, INSIDE_FUSED_LAYER, True)
@@ -133,8 +135,12 @@ def _fused_forward(layer: torch.nn.Module, kernels, residual_dtype: torch.dtype,
                                kwargs.get("sliding_window"), kwargs["paged_metadata"])
         h = attn.o_proj.forward(out.view(*tokens, -1))
         x = kernels.add_rms_norm(h, stream, post_norm.weight, post_eps)
-        gate_up = mlp.gate_up_proj.forward(x)
-        h = mlp.down_proj.forward(kernels.silu_and_mul(gate_up[..., :intermediate], gate_up[..., intermediate:]))
+        gate_up = mlp.gate_up_proj
+        if getattr(gate_up, "fuses_silu_and_mul", False):
+            h = mlp.down_proj.forward(gate_up.forward(x))
+        else:
+            both = gate_up.forward(x)
+            h = mlp.down_proj.forward(kernels.silu_and_mul(both[..., :intermediate], both[..., intermediate:]))
         if defers:
             carry.stream, carry.pending = stream, h
             return stream

@@ -19,6 +19,11 @@ from pagedllm.backends import cpu_features
 _ROWS_HINT = 64
 
 
+# Set to True on a SwiGLU's concatenated gate and up projection (gate's columns first): its brgemm form returns
+# silu(gate) * up instead, and has fuses_silu_and_mul = True.
+SWIGLU_GATE_UP = "swiglu_gate_up"
+
+
 class PackedLinear(torch.nn.Module):
     """nn.Linear's forward over a oneDNN-packed weight (input and weight in the same dtype)."""
 
@@ -53,6 +58,36 @@ class BrgemmLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class BrgemmSiluAndMul(torch.nn.Module):
+    """SwiGLU's gate and up projections (one nn.Linear, gate's columns first) and silu(gate) * up in one call:
+    the weight is packed with blocks of gate and up columns alternating, and returns [..., width]."""
+
+    fuses_silu_and_mul = True
+
+    def __init__(self, gate_up: torch.nn.Linear, kernels) -> None:
+        super().__init__()
+        width = gate_up.out_features // 2
+        self.in_features, self.out_features = gate_up.in_features, width
+        self.register_buffer("weight", kernels.pack_linear_weight_bf16(_alternating(gate_up.weight.detach(), width)))
+        self.register_buffer("bias", None if gate_up.bias is None else _alternating(gate_up.bias.detach(), width))
+        self._forward = kernels.linear_silu_and_mul_bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, self.weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, width={self.out_features}, bias={self.bias is not None}"
+
+
+def _alternating(gate_up: torch.Tensor, width: int, block: int = 64) -> torch.Tensor:
+    """[gate; up] rows (or bias entries) as gate block 0, up block 0, gate block 1, ...; each half padded with zeros
+    to whole blocks of the kernel's 64 columns."""
+    blocks = -(-width // block)
+    halves = [torch.nn.functional.pad(half, (0, 0) * (half.dim() - 1) + (0, blocks * block - width))
+              .reshape(blocks, block, *half.shape[1:]) for half in (gate_up[:width], gate_up[width:])]
+    return torch.stack(halves, dim=1).reshape(2 * blocks * block, *gate_up.shape[1:])
+
+
 def can_brgemm(linear: torch.nn.Linear, kernels) -> bool:
     """bf16 weights of an even input width (brgemm takes pairs of bf16), with kernels built for AVX512_BF16."""
     return (kernels is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
@@ -70,15 +105,17 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
-    """Swap every plain nn.Linear of the model for a BrgemmLinear where the kernels can run it, else for a
-    PackedLinear where oneDNN packs its dtype here; returns how many of each ("brgemm", "oneDNN")."""
+    """Swap every plain nn.Linear of the model for a BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul
+    for a SwiGLU's gate and up, marked with SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype
+    here; returns how many of each ("brgemm", "oneDNN")."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
     counts = {"brgemm": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
         linear = model.get_submodule(name)
         if can_brgemm(linear, kernels):
-            model.set_submodule(name, BrgemmLinear(linear, kernels))
+            fused = getattr(linear, SWIGLU_GATE_UP, False)
+            model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
             counts["brgemm"] += 1
         elif linear.weight.dtype in dtypes:
             model.set_submodule(name, PackedLinear(linear))

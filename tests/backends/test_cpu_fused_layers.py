@@ -29,6 +29,8 @@ def test_only_llamas_own_layers_are_fused(tiny_model_dirs, arch, expected):
 def test_bf16_runs_with_either_residual_stream(tiny_llama, residual):
     llm = LLM(str(tiny_llama), dtype="bfloat16", residual_dtype=residual, max_model_len=128, kv_cache_space=0.01)
     assert llm.engine.config.backend_options["residual_dtype"] == residual
+    if kernels.linear_bf16_available():  # gate/up and SiLU-and-multiply as one brgemm call
+        assert type(llm.engine.backend.runner.model.model.layers[0].mlp.gate_up_proj).__name__ == "BrgemmSiluAndMul"
     reference = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01)
     prompts = [[5 + i, 9, 33, 71, 100 + i, 7, 8] for i in range(4)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

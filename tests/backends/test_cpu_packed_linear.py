@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.packed_linear import BrgemmLinear, PackedLinear, can_pack, use_packed_linears
+from pagedllm.backends.cpu.packed_linear import (SWIGLU_GATE_UP, BrgemmLinear, BrgemmSiluAndMul, PackedLinear,
+                                                 can_pack, use_packed_linears)
 
 kernels, _ = load_kernels("auto")
 has_brgemm = kernels is not None and kernels.linear_bf16_available()
@@ -112,3 +113,34 @@ def test_a_tied_bf16_head_keeps_the_embedding_weight():
     assert use_packed_linears(model, kernels) == {"brgemm": 1, "oneDNN": 0}
     torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-2, rtol=1e-2)
     assert model["embed"].weight.shape == (50, 16)
+
+
+@brgemm_only
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 7, 65, 300])
+@pytest.mark.parametrize("in_features, width", [(576, 1536), (64, 96), (18, 37)])
+def test_gate_up_with_silu_and_mul_fused_equals_the_two_steps_bit_for_bit(bias, rows, in_features, width):
+    """A SwiGLU's marked gate/up projection returns silu(gate) * up from one call: exactly what its brgemm output
+    followed by the silu_and_mul kernel gives (widths past whole 64-column blocks too)."""
+    torch.manual_seed(0)
+    gate_up = torch.nn.Linear(in_features, 2 * width, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, rows, in_features).to(torch.bfloat16)
+    both = BrgemmLinear(gate_up, kernels)(x)
+    expected = kernels.silu_and_mul(both[..., :width], both[..., width:])
+    setattr(gate_up, SWIGLU_GATE_UP, True)
+    model = torch.nn.Sequential(gate_up)
+    assert use_packed_linears(model, kernels) == {"brgemm": 1, "oneDNN": 0}
+    assert isinstance(model[0], BrgemmSiluAndMul) and model[0].fuses_silu_and_mul
+    got = model[0](x)
+    assert got.shape == (2, rows, width)
+    assert torch.equal(got, expected)
+
+
+def test_a_marked_gate_up_without_brgemm_keeps_its_concatenated_output():
+    """Only the brgemm form fuses; oneDNN's packing (or no packing) returns gate and up side by side."""
+    gate_up = torch.nn.Linear(16, 2 * 24)
+    setattr(gate_up, SWIGLU_GATE_UP, True)
+    model = torch.nn.Sequential(gate_up)
+    use_packed_linears(model, kernels)
+    assert not getattr(model[0], "fuses_silu_and_mul", False)
+    assert model[0](torch.randn(3, 16)).shape == (3, 48)

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -51,61 +54,134 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
   return packed;
 }
 
-// x [..., K] bf16 times the packed weight of `out_features` columns, plus an optional bias: [..., out_features] bf16,
-// summed in float32 and rounded once. Each block's weights stay in cache while the row tiles pass over them.
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
 #if PAGEDLLM_LINEAR_BF16
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 input and weight");
-  const int64_t k = packed.size(1) * 2, blocks = packed.size(0);
-  TORCH_CHECK(x.size(-1) == k, "input width ", x.size(-1), " does not match the weight's ", k);
-  TORCH_CHECK(blocks == (out_features + kColumns - 1) / kColumns, "packed weight does not hold ", out_features,
-              " columns");
-  at::Tensor rows = x.reshape({-1, k});
-  if (rows.stride(1) != 1) rows = rows.contiguous();
-  const int64_t m = rows.size(0), lda = rows.stride(0), n = out_features;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor out = at::empty(shape, x.options());
-  if (m == 0) return out;
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) bias_f32 = bias->to(at::kFloat).contiguous();
-  const float* bias_ptr = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  const at::BFloat16* a = rows.data_ptr<at::BFloat16>();
-  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
-  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // Work units (column block, row tile, half of the block's columns) in that order, split evenly over the threads:
-  // a block's weights stay in cache while the row tiles pass over them. A thread runs both halves of a block as one
-  // call and shares a block with the next thread only at the ends of its range, so that 9 or 15 blocks still keep
-  // two threads equally busy.
+namespace {
+
+// One call's operands: x's rows as brgemm's A ([m, k] with a row stride), the packed weight, the bias in float32,
+// and the output [..., out_features].
+struct Operands {
+  at::Tensor rows, out, bias;
+  int64_t m, k, lda;
+  const at::BFloat16* a;
+  const at::BFloat16* w;
+  const float* bias_ptr;
+  uint16_t* y;
+
+  Operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
+           int64_t out_features) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 input and weight");
+    k = packed.size(1) * 2;
+    TORCH_CHECK(x.size(-1) == k, "input width ", x.size(-1), " does not match the weight's ", k);
+    rows = x.reshape({-1, k});
+    if (rows.stride(1) != 1) rows = rows.contiguous();
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = out_features;
+    out = at::empty(shape, x.options());
+    m = rows.size(0);
+    lda = rows.stride(0);
+    if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
+    a = rows.data_ptr<at::BFloat16>();
+    w = packed.data_ptr<at::BFloat16>();
+    bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    y = reinterpret_cast<uint16_t*>(out.data_ptr());
+  }
+};
+
+// Calls tile(block, first row, rows, first column in the block, columns, scratch) for every work unit: (column block,
+// row tile, half of the block's columns) in that order, split evenly over the threads. A block's weights stay in cache
+// while the row tiles pass over them. A thread runs both halves of a block as one call and shares a block with the
+// next thread only at the ends of its range, so that 9 or 15 blocks still keep two threads equally busy. The scratch
+// holds two [kRowTile, kColumns] float32 tiles.
+template <typename Tile>
+void for_each_tile(int64_t blocks, int64_t m, const Tile& tile) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile, units = blocks * tiles * 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float c[kRowTile * kColumns];
+    alignas(64) float scratch[2 * kRowTile * kColumns];
     for (int64_t u = begin; u < end;) {
       const int64_t half = u % 2, r0 = (u / 2 % tiles) * kRowTile, b = u / 2 / tiles;
       const bool both = half == 0 && u + 1 < end;
       u += both ? 2 : 1;
-      const int64_t c0 = half * kHalf, cols = both ? kColumns : kHalf;
-      const int64_t col0 = b * kColumns + c0, width = std::min(cols, n - col0);
-      if (width <= 0) continue;  // the zero padding of the last block
-      const int64_t tile = std::min(kRowTile, m - r0);
-      at::native::cpublas::brgemm(tile, cols, k, lda, kColumns, kColumns, false, a + r0 * lda,
-                                  w + b * k * kColumns + c0 * 2, c, true);
-      const __mmask16 tail = static_cast<__mmask16>((1u << (width % 16)) - 1);
-      for (int64_t r = 0; r < tile; ++r) {
-        uint16_t* dst = y + (r0 + r) * n + col0;
-        for (int64_t j = 0; j < width; j += 16) {
-          const __mmask16 lanes = j + 16 <= width ? static_cast<__mmask16>(0xffff) : tail;
-          __m512 v = _mm512_load_ps(c + r * kColumns + j);
-          if (bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias_ptr + col0 + j));
-          _mm256_mask_storeu_epi16(dst + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
-        }
-      }
+      tile(b, r0, std::min(kRowTile, m - r0), half * kHalf, both ? kColumns : kHalf, scratch);
     }
     at::native::cpublas::brgemm_release(true);
   });
-  return out;
+}
+
+inline __mmask16 lanes_from(int64_t j, int64_t width) {
+  return j + 16 <= width ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (width - j)) - 1);
+}
+
+}  // namespace
+#endif
+
+// x [..., K] bf16 times the packed weight of `out_features` columns, plus an optional bias: [..., out_features] bf16,
+// summed in float32 and rounded once.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+#if PAGEDLLM_LINEAR_BF16
+  const int64_t blocks = packed.size(0), n = out_features;
+  TORCH_CHECK(blocks == (n + kColumns - 1) / kColumns, "packed weight does not hold ", n, " columns");
+  const Operands op(x, packed, bias, n);
+  if (op.m == 0) return op.out;
+  const int64_t k = op.k, lda = op.lda;
+  for_each_tile(blocks, op.m, [&](int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* c) {
+    const int64_t col0 = b * kColumns + c0, width = std::min(cols, n - col0);
+    if (width <= 0) return;  // the zero padding of the last block
+    at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, op.a + r0 * lda,
+                                op.w + b * k * kColumns + c0 * 2, c, true);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* dst = op.y + (r0 + r) * n + col0;
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 lanes = lanes_from(j, width);
+        __m512 v = _mm512_load_ps(c + r * kColumns + j);
+        if (op.bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, op.bias_ptr + col0 + j));
+        _mm256_mask_storeu_epi16(dst + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  });
+  return op.out;
 #else
   TORCH_CHECK(false, "linear_bf16 needs a build with AVX512_BF16");
+#endif
+}
+
+// SwiGLU's silu(gate) * up straight from the gate and up projections, without their [..., 2 * width] output: the
+// packed weight alternates blocks of gate and up columns (gate block i, then up block i; an optional bias the same,
+// padded), and each tile's epilogue combines the two. gate and up are rounded to bf16 first, as the unfused path's
+// projection output is, so the result equals linear_bf16 followed by silu_and_mul bit for bit.
+at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias, int64_t width) {
+#if PAGEDLLM_LINEAR_BF16
+  const int64_t pairs = packed.size(0) / 2;
+  TORCH_CHECK(packed.size(0) % 2 == 0 && pairs == (width + kColumns - 1) / kColumns,
+              "packed weight does not hold gate and up blocks of ", width, " columns");
+  const Operands op(x, packed, bias, width);
+  if (op.m == 0) return op.out;
+  const int64_t k = op.k, lda = op.lda;
+  for_each_tile(pairs, op.m, [&](int64_t p, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* gate) {
+    const int64_t col0 = p * kColumns + c0, valid = std::min(cols, width - col0);
+    if (valid <= 0) return;
+    float* up = gate + kRowTile * kColumns;
+    const at::BFloat16* gate_block = op.w + 2 * p * k * kColumns + c0 * 2;
+    const at::BFloat16* a = op.a + r0 * lda;
+    at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block, gate, true);
+    at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block + k * kColumns, up, true);
+    const float* gate_bias = op.bias_ptr == nullptr ? nullptr : op.bias_ptr + 2 * p * kColumns + c0;
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* dst = op.y + (r0 + r) * width + col0;
+      for (int64_t j = 0; j < valid; j += 16) {
+        pagedllm::Vec g{_mm512_load_ps(gate + r * kColumns + j)}, u{_mm512_load_ps(up + r * kColumns + j)};
+        if (gate_bias != nullptr) {
+          g = g + pagedllm::Vec::load(gate_bias + j);
+          u = u + pagedllm::Vec::load(gate_bias + kColumns + j);
+        }
+        const pagedllm::Vec v = pagedllm::silu16(g.rounded_to_bf16()) * u.rounded_to_bf16();
+        _mm256_mask_storeu_epi16(dst + j, lanes_from(j, valid), (__m256i)_mm512_cvtneps_pbh(v.v));
+      }
+    }
+  });
+  return op.out;
+#else
+  TORCH_CHECK(false, "linear_silu_and_mul_bf16 needs a build with AVX512_BF16");
 #endif
 }

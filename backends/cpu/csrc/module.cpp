@@ -28,6 +28,8 @@ bool linear_bf16_available();
 torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features);
+torch::Tensor linear_silu_and_mul_bf16(const torch::Tensor& x, const torch::Tensor& packed,
+                                       const c10::optional<torch::Tensor>& bias, int64_t width);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
@@ -51,5 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "a bf16 [out, in] weight in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ weight.T + bias over a weight from pack_linear_weight_bf16",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("linear_silu_and_mul_bf16", &linear_silu_and_mul_bf16,
+        "silu(gate) * up of x's gate and up projections, over a weight packed with their blocks alternating",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("width"));
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }

@@ -44,18 +44,6 @@ inline __m256 silu8(__m256 x) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(PAGEDLLM_VEC)
-// The same on sixteen lanes (AVX-512 builds).
-inline pagedllm::Vec silu16(pagedllm::Vec x) {
-  const __m512 negative_abs =
-      _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  const __m512 e = pagedllm::Vec::exp_nonpositive({negative_abs}).v;
-  const __mmask16 non_negative = _mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GE_OQ);
-  const __m512 numerator = _mm512_mask_blend_ps(non_negative, _mm512_mul_ps(x.v, e), x.v);
-  return {_mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e))};
-}
-#endif
-
 template <typename scalar_t>
 void silu_and_mul_rows(const scalar_t* gates, int64_t gate_stride, const scalar_t* ups, int64_t up_stride,
                        scalar_t* out, int64_t rows, int64_t width) {
@@ -68,7 +56,7 @@ void silu_and_mul_rows(const scalar_t* gates, int64_t gate_stride, const scalar_
 #if defined(__AVX512F__) && defined(PAGEDLLM_VEC)
       if constexpr (!std::is_same<scalar_t, double>::value)
         for (; i + 16 <= width; i += 16)
-          (silu16(pagedllm::Vec::load(gate + i)) * pagedllm::Vec::load(up + i)).store(o + i);
+          (pagedllm::silu16(pagedllm::Vec::load(gate + i)) * pagedllm::Vec::load(up + i)).store(o + i);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (!std::is_same<scalar_t, double>::value)

@@ -65,6 +65,16 @@ struct Vec {
     return {_mm512_mul_ps(p, _mm512_castsi512_ps(bits))};
   }
 };
+// silu(x) = x / (1 + exp(-x)) on sixteen lanes, from e = exp(-|x|) <= 1 so that exp never overflows: x / (1 + e)
+// for x >= 0, x * e / (1 + e) below.
+inline Vec silu16(Vec x) {
+  const __m512 negative_abs =
+      _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m512 e = Vec::exp_nonpositive({negative_abs}).v;
+  const __mmask16 non_negative = _mm512_cmp_ps_mask(x.v, _mm512_setzero_ps(), _CMP_GE_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(non_negative, _mm512_mul_ps(x.v, e), x.v);
+  return {_mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.f), e))};
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PAGEDLLM_VEC 1
 struct Vec {
