@@ -1,9 +1,10 @@
 """A small model's weights moved onto 2 MiB pages once they are loaded and packed.
 
 The weights come from malloc, on 4 KiB pages. A decode step streams all of them through small GEMMs, and in a VM
-each TLB miss walks two levels of page tables: small GEMMs wait on page walks as well as on the bytes. Linux's MADV_COLLAPSE (6.1+) rebuilds the pages under the weights as huge pages in place. The rebuild copies
-the weights once, so it is done only up to MAX_BYTES: larger models are bound by memory bandwidth, where huge pages
-gain little and the copy costs seconds.
+each TLB miss walks two levels of page tables: small GEMMs wait on page walks as well as on the bytes. Linux's
+MADV_COLLAPSE (6.1+) rebuilds the pages under the weights as huge pages in place. The rebuild copies the weights
+once, so it is done only up to MAX_BYTES: larger models are bound by memory bandwidth, where huge pages gain little
+and the copy costs seconds.
 """
 
 from __future__ import annotations
