@@ -19,6 +19,7 @@ from pagedllm.backends import cpu_features
 _ROWS_HINT = 64
 
 
+BLOCK_COLUMNS = 64  # output columns per packed block in linear_bf16.cpp (kColumns)
 # Set to True on a SwiGLU's concatenated gate and up projection (gate's columns first): its brgemm form returns
 # silu(gate) * up instead, and has fuses_silu_and_mul = True.
 SWIGLU_GATE_UP = "swiglu_gate_up"
@@ -79,9 +80,9 @@ class BrgemmSiluAndMul(torch.nn.Module):
         return f"in_features={self.in_features}, width={self.out_features}, bias={self.bias is not None}"
 
 
-def _alternating(gate_up: torch.Tensor, width: int, block: int = 64) -> torch.Tensor:
+def _alternating(gate_up: torch.Tensor, width: int, block: int = BLOCK_COLUMNS) -> torch.Tensor:
     """[gate; up] rows (or bias entries) as gate block 0, up block 0, gate block 1, ...; each half padded with zeros
-    to whole blocks of the kernel's 64 columns."""
+    to whole blocks of the kernel's columns."""
     blocks = -(-width // block)
     halves = [torch.nn.functional.pad(half, (0, 0) * (half.dim() - 1) + (0, blocks * block - width))
               .reshape(blocks, block, *half.shape[1:]) for half in (gate_up[:width], gate_up[width:])]
@@ -107,16 +108,16 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
 def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
     """Swap every plain nn.Linear of the model for a BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul
     for a SwiGLU's gate and up, marked with SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype
-    here; returns how many of each ("brgemm", "oneDNN")."""
+    here; returns how many of each ("brgemm", "brgemm+silu", "oneDNN")."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
-    counts = {"brgemm": 0, "oneDNN": 0}
+    counts = {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
         linear = model.get_submodule(name)
         if can_brgemm(linear, kernels):
             fused = getattr(linear, SWIGLU_GATE_UP, False)
             model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
-            counts["brgemm"] += 1
+            counts["brgemm+silu" if fused else "brgemm"] += 1
         elif linear.weight.dtype in dtypes:
             model.set_submodule(name, PackedLinear(linear))
             counts["oneDNN"] += 1
