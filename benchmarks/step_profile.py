@@ -133,12 +133,13 @@ def kernel_times(llm, batch, repeat: int) -> list[tuple[str, float, int]]:
 
     names = [n for n in dir(kernels) if not n.startswith("_") and callable(getattr(kernels, n)) and n != "bind_threads"]
     originals = {n: getattr(kernels, n) for n in names}
-    linear_classes = (packed_linear.PackedLinear, packed_linear.BrgemmLinear)
+    linear_classes = (packed_linear.PackedLinear, packed_linear.BrgemmLinear, packed_linear.BrgemmSiluAndMul)
     linear_forwards = {cls: cls.forward for cls in linear_classes}
 
     def timed_linear(forward):
         def linear(self, x):
-            return timed(f"linear {self.in_features}x{self.out_features}", forward)(self, x)
+            silu = " + SiLU-and-multiply" if getattr(self, "fuses_silu_and_mul", False) else ""
+            return timed(f"linear {self.in_features}x{self.out_features}{silu}", forward)(self, x)
         return linear
 
     try:

@@ -24,7 +24,8 @@ from pagedllm.backends.cpu.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.threads import ThreadBinder
 
 logger = logging.getLogger("pagedllm.cpu")
-LINEAR_KINDS = {"brgemm": "bf16 through brgemm tiles", "brgemm+silu": "SwiGLU gate/up with SiLU-and-multiply in the same",
+LINEAR_KINDS = {"brgemm": "bf16 through brgemm tiles",
+                "brgemm+silu": "SwiGLU gate/up through brgemm tiles with SiLU-and-multiply",
                 "oneDNN": "packed for oneDNN"}
 
 
