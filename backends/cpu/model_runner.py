@@ -16,7 +16,7 @@ from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
 from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.huge_pages import weights_on_huge_pages
-from pagedllm.backends.cpu.packed_linear import use_packed_linears
+from pagedllm.backends.cpu.packed_linear import float32_logits, use_packed_linears
 from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.rotary import use_fused_rotary
 from pagedllm.backends.cpu.sharding import Rank, check_shardable, shard_model
@@ -66,8 +66,9 @@ class ModelRunner:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
         packed = use_packed_linears(self.model, self.kernels)
-        logger.info("linear layers: %s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
-                                                   if count) or "nn.Linear")
+        logger.info("linear layers: %s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
+                                                     if count) or "nn.Linear",
+                    "; the LM head returns float32 logits" if float32_logits(self.model) else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",

@@ -43,7 +43,8 @@ class PackedLinear(torch.nn.Module):
 
 
 class BrgemmLinear(torch.nn.Module):
-    """nn.Linear's forward in bfloat16 through the C++ kernels' brgemm tiles, over a weight in their block layout."""
+    """nn.Linear's forward in bfloat16 through the C++ kernels' brgemm tiles, over a weight in their block layout.
+    With ``float_output`` it returns the float32 sums unrounded (the LM head: logits go to the sampler in float32)."""
 
     def __init__(self, linear: torch.nn.Linear, kernels) -> None:
         super().__init__()
@@ -51,12 +52,14 @@ class BrgemmLinear(torch.nn.Module):
         self.register_buffer("weight", kernels.pack_linear_weight_bf16(linear.weight.detach()))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self._linear = kernels.linear_bf16
+        self.float_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias, self.out_features)
+        return self._linear(x, self.weight, self.bias, self.out_features, self.float_output)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (", float32 output" if self.float_output else ""))
 
 
 class BrgemmSiluAndMul(torch.nn.Module):
@@ -103,6 +106,16 @@ def can_pack(dtype: torch.dtype = torch.float32) -> bool:
         return (cpu_features.rank(cpu_features.kernel_level()) >= cpu_features.rank("avx512")
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
+
+
+def float32_logits(model: torch.nn.Module) -> bool:
+    """Let a brgemm LM head return its float32 sums: the sampler wants float32, and rounding 49k logits to bf16
+    first costs a copy per step and ties tokens whose logits differ by less than bf16's step."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, BrgemmLinear):
+        return False
+    head.float_output = True
+    return True
 
 
 def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:

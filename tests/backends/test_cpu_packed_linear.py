@@ -6,7 +6,7 @@ import torch
 
 from pagedllm.backends.cpu.kernels import load_kernels
 from pagedllm.backends.cpu.packed_linear import (SWIGLU_GATE_UP, BrgemmLinear, BrgemmSiluAndMul, PackedLinear,
-                                                 can_pack, use_packed_linears)
+                                                 can_pack, float32_logits, use_packed_linears)
 
 kernels, _ = load_kernels("auto")
 has_brgemm = kernels is not None and kernels.linear_bf16_available()
@@ -144,3 +144,36 @@ def test_a_marked_gate_up_without_brgemm_keeps_its_concatenated_output():
     use_packed_linears(model, kernels)
     assert not getattr(model[0], "fuses_silu_and_mul", False)
     assert model[0](torch.randn(3, 16)).shape == (3, 48)
+
+
+class _HeadModel(torch.nn.Module):
+    def __init__(self, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
+
+@brgemm_only
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_brgemm_lm_head_returns_float32_logits_that_round_to_its_bf16_ones(bias):
+    """The float32 sums the bf16 output is rounded from: what the sampler reads, without the copy or the ties."""
+    torch.manual_seed(0)
+    model = _HeadModel(torch.nn.Linear(64, 300, bias=bias).to(torch.bfloat16))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    exact = x.float() @ model.head.weight.float().T + (model.head.bias.float() if bias else 0)
+    use_packed_linears(model, kernels)
+    rounded = model.head(x)
+    assert float32_logits(model) and model.head.float_output
+    logits = model.head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 300)
+    torch.testing.assert_close(logits, exact, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.to(torch.bfloat16), rounded)
+
+
+def test_a_head_without_brgemm_keeps_its_output_dtype():
+    model = _HeadModel(torch.nn.Linear(16, 24))
+    use_packed_linears(model, kernels)
+    assert not float32_logits(model)
+    assert model.head(torch.randn(2, 16)).dtype == torch.float32

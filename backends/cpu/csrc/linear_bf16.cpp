@@ -65,10 +65,10 @@ struct Operands {
   const at::BFloat16* a;
   const at::BFloat16* w;
   const float* bias_ptr;
-  uint16_t* y;
+  void* y;
 
   Operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
-           int64_t out_features) {
+           int64_t out_features, at::ScalarType out_dtype = at::kBFloat16) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 input and weight");
     k = packed.size(1) * 2;
     TORCH_CHECK(x.size(-1) == k, "input width ", x.size(-1), " does not match the weight's ", k);
@@ -76,14 +76,14 @@ struct Operands {
     if (rows.stride(1) != 1) rows = rows.contiguous();
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = out_features;
-    out = at::empty(shape, x.options());
+    out = at::empty(shape, x.options().dtype(out_dtype));
     m = rows.size(0);
     lda = rows.stride(0);
     if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
     a = rows.data_ptr<at::BFloat16>();
     w = packed.data_ptr<at::BFloat16>();
     bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    y = reinterpret_cast<uint16_t*>(out.data_ptr());
+    y = out.data_ptr();
   }
 };
 
@@ -114,14 +114,15 @@ inline __mmask16 lanes_from(int64_t j, int64_t width) {
 }  // namespace
 #endif
 
-// x [..., K] bf16 times the packed weight of `out_features` columns, plus an optional bias: [..., out_features] bf16,
-// summed in float32 and rounded once.
+// x [..., K] bf16 times the packed weight of `out_features` columns, plus an optional bias: [..., out_features],
+// summed in float32 and rounded once to bf16, or kept in float32 when `float_output` (logits: the sampler's dtype,
+// without a bf16 rounding that ties near-equal tokens).
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
+                       int64_t out_features, bool float_output) {
 #if PAGEDLLM_LINEAR_BF16
   const int64_t blocks = packed.size(0), n = out_features;
   TORCH_CHECK(blocks == (n + kColumns - 1) / kColumns, "packed weight does not hold ", n, " columns");
-  const Operands op(x, packed, bias, n);
+  const Operands op(x, packed, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
   const int64_t k = op.k, lda = op.lda;
   for_each_tile(blocks, op.m, [&](int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* c) {
@@ -130,12 +131,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
     at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, op.a + r0 * lda,
                                 op.w + b * k * kColumns + c0 * 2, c, true);
     for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* dst = op.y + (r0 + r) * n + col0;
+      const int64_t offset = (r0 + r) * n + col0;
       for (int64_t j = 0; j < width; j += 16) {
         const __mmask16 lanes = lanes_from(j, width);
         __m512 v = _mm512_load_ps(c + r * kColumns + j);
         if (op.bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, op.bias_ptr + col0 + j));
-        _mm256_mask_storeu_epi16(dst + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+        if (float_output)
+          _mm512_mask_storeu_ps(static_cast<float*>(op.y) + offset + j, lanes, v);
+        else
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(op.y) + offset + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
   });
@@ -168,7 +172,7 @@ at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packe
     at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block + k * kColumns, up, true);
     const float* gate_bias = op.bias_ptr == nullptr ? nullptr : op.bias_ptr + 2 * p * kColumns + c0;
     for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* dst = op.y + (r0 + r) * width + col0;
+      uint16_t* dst = static_cast<uint16_t*>(op.y) + (r0 + r) * width + col0;
       for (int64_t j = 0; j < valid; j += 16) {
         pagedllm::Vec g{_mm512_load_ps(gate + r * kColumns + j)}, u{_mm512_load_ps(up + r * kColumns + j)};
         if (gate_bias != nullptr) {

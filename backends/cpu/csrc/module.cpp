@@ -27,7 +27,7 @@ std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
 bool linear_bf16_available();
 torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                          int64_t out_features);
+                          int64_t out_features, bool float_output);
 torch::Tensor linear_silu_and_mul_bf16(const torch::Tensor& x, const torch::Tensor& packed,
                                        const c10::optional<torch::Tensor>& bias, int64_t width);
 
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the bf16 brgemm linear");
   m.def("pack_linear_weight_bf16", &pack_linear_weight_bf16, "a bf16 [out, in] weight in linear_bf16's layout");
   m.def("linear_bf16", &linear_bf16, "x @ weight.T + bias over a weight from pack_linear_weight_bf16",
-        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("float_output") = false);
   m.def("linear_silu_and_mul_bf16", &linear_silu_and_mul_bf16,
         "silu(gate) * up of x's gate and up projections, over a weight packed with their blocks alternating",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("width"));
