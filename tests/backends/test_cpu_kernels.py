@@ -35,10 +35,11 @@ def reference(q, keys, values, lens, scale, window):
     return out
 
 
-def make_caches(cache: str, num_blocks: int):
+def make_caches(cache: str, num_blocks: int, dim: int = D):
     if cache == "u8":
-        return [QuantizedBlockCache(num_blocks, HKV, BS, D) for _ in range(2)]
-    return [BlockCache(num_blocks, HKV, BS, D, torch.float32 if cache == "fp32" else torch.bfloat16) for _ in range(2)]
+        return [QuantizedBlockCache(num_blocks, HKV, BS, dim) for _ in range(2)]
+    dtype = torch.float32 if cache == "fp32" else torch.bfloat16
+    return [BlockCache(num_blocks, HKV, BS, dim, dtype) for _ in range(2)]
 
 
 def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tensor, int]:
@@ -53,7 +54,7 @@ def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tens
         used += nb
         slots = torch.arange(n)
         for c in caches:
-            c.write(torch.randn(n, HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+            c.write(torch.randn(n, HKV, c.data.shape[-1]), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
     return table, width
 
 
@@ -121,10 +122,11 @@ def check_prefill(kernels, dtype, caches, table, past_lens: list[int], q_lens: l
     totals = [p + n for p, n in zip(past_lens, q_lens)]
     width = table.shape[1]
     starts = torch.tensor([0] + q_lens).cumsum(0)[:-1]
-    q = torch.randn(HKV * GROUPS, sum(q_lens), D).to(dtype).transpose(0, 1)  # [T, Hq, D], as transformers hands it
+    dim = caches[0].data.shape[-1]
+    q = torch.randn(HKV * GROUPS, sum(q_lens), dim).to(dtype).transpose(0, 1)  # [T, Hq, D], as transformers hands it
     keys = caches[0].gather(table.reshape(-1), len(totals), width, torch.float32)
     values = caches[1].gather(table.reshape(-1), len(totals), width, torch.float32)
-    scale = D ** -0.5
+    scale = dim ** -0.5
     expected = torch.zeros(q.shape)
     for b, (past, n) in enumerate(zip(past_lens, q_lens)):
         for j in range(n):
@@ -153,6 +155,17 @@ def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
     caches = make_caches(cache, num_blocks)
     table, _ = fill_caches(caches, [p + n for p, n in zip(past_lens, q_lens)], num_blocks)
     check_prefill(kernels, dtype, caches, table, past_lens, q_lens, window)
+
+
+@pytest.mark.parametrize("dim", [16, 48, 80, 128])
+def test_prefill_kernel_matches_torch_at_other_head_sizes(dim, kernels):
+    """bf16's tile GEMMs pack keys and values 32 dimensions at a time with a remainder: head sizes that are and are
+    not multiples of 32, and prompts whose last key tile is cut short of 64 keys."""
+    torch.manual_seed(4)
+    past_lens, q_lens = [0, 0, 7], [16, 90, 40]
+    caches = make_caches("bf16", 64, dim)
+    table, _ = fill_caches(caches, [p + n for p, n in zip(past_lens, q_lens)], 64)
+    check_prefill(kernels, torch.bfloat16, caches, table, past_lens, q_lens, -1)
 
 
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float32, "u8")])

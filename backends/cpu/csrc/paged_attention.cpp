@@ -427,6 +427,7 @@ constexpr int64_t kSeqTile = 16;
 #if PAGEDLLM_DPBF16
 // Tile GEMMs through torch's brgemm: pair-interleaved packing and a softmax that rounds to bf16.
 constexpr int64_t kKeyTile = 64;
+constexpr int64_t kKeyStep = 16;  // the last key tile of a query tile is cut to a multiple of this many keys
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -470,12 +471,24 @@ inline void pack_tile(const at::BFloat16* key_cache, const at::BFloat16* value_c
   uint32_t* pk = reinterpret_cast<uint32_t*>(keys);
   for (int64_t p = 0; p < dim / 2; ++p)
     for (int64_t i = 0; i < kKeyTile; ++i) pk[p * key_ld + i] = reinterpret_cast<const uint32_t*>(krow[i])[p];
+  // Values: rows i and i + 1 interleaved element by element, 32 of each at a time, then one by one.
+  const __m512i first_half = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i second_half = _mm512_add_epi16(first_half, _mm512_set1_epi16(16));
+  const int64_t whole = dim / 32 * 32;
   uint16_t* pv = reinterpret_cast<uint16_t*>(values);
-  for (int64_t i = 0; i < kKeyTile; i += 2)
-    for (int64_t d = 0; d < dim; ++d) {
-      pv[((i / 2) * dim + d) * 2] = vrow[i][d];
-      pv[((i / 2) * dim + d) * 2 + 1] = vrow[i + 1][d];
+  for (int64_t i = 0; i < kKeyTile; i += 2) {
+    uint16_t* pair = pv + (i / 2) * dim * 2;
+    for (int64_t d = 0; d < whole; d += 32) {
+      const __m512i a = _mm512_loadu_si512(vrow[i] + d), b = _mm512_loadu_si512(vrow[i + 1] + d);
+      _mm512_storeu_si512(pair + 2 * d, _mm512_permutex2var_epi16(a, first_half, b));
+      _mm512_storeu_si512(pair + 2 * d + 32, _mm512_permutex2var_epi16(a, second_half, b));
     }
+    for (int64_t d = whole; d < dim; ++d) {
+      pair[2 * d] = vrow[i][d];
+      pair[2 * d + 1] = vrow[i + 1][d];
+    }
+  }
 }
 
 // The shared prefix of bf16 decodes over a bf16 cache as tile GEMMs (see prefill_bf16_brgemm below): its keys and
@@ -831,19 +844,23 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
       const auto packed = [&](const std::unique_ptr<bf16[]>& all, int64_t pos) {
         return all.get() + (packed_index[first_tile[chunk] + pos / kKeyTile] * kv_heads + head) * tile_elems;
       };
+      // Keys past the tile's last token are masked for every row: the last key tile is cut at a multiple of
+      // kKeyStep past it, which saves the masked corner of a causal prompt's work.
+      const int64_t seen = round_up(first_pos + tokens, kKeyStep);
+      const auto width = [&](int64_t k0) { return std::min(kKeyTile, seen - k0); };
       scores.resize(rows * span);
-      for (int64_t n0 = 0; n0 < span; n0 += kKeyTile)
-        at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, span, false, q.data(), packed(packed_k, n0),
-                                    scores.data() + n0, true);
+      for (int64_t n0 = 0; n0 < seen; n0 += kKeyTile)
+        at::native::cpublas::brgemm(rows, width(n0), dim, dim, kKeyTile, span, false, q.data(),
+                                    packed(packed_k, n0), scores.data() + n0, true);
       probs.resize(rows * span);
       for (int64_t j = 0; j < tokens; ++j)
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t r = j * groups + g;
-          inv_sum[r] = scaled_softmax_bf16(scores.data() + r * span, first_pos + j + 1, span, fscale,
+          inv_sum[r] = scaled_softmax_bf16(scores.data() + r * span, first_pos + j + 1, seen, fscale,
                                            probs.data() + r * span);
         }
-      for (int64_t k0 = 0; k0 < span; k0 += kKeyTile)
-        at::native::cpublas::brgemm(rows, dim, kKeyTile, span, dim, dim, k0 > 0, probs.data() + k0,
+      for (int64_t k0 = 0; k0 < seen; k0 += kKeyTile)
+        at::native::cpublas::brgemm(rows, dim, width(k0), span, dim, dim, k0 > 0, probs.data() + k0,
                                     packed(packed_v, k0), acc.data(), true);
       for (int64_t j = 0; j < tokens; ++j)
         for (int64_t g = 0; g < groups; ++g) {
