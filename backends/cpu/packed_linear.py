@@ -20,6 +20,9 @@ _ROWS_HINT = 64
 
 
 BLOCK_COLUMNS = 64  # output columns per packed block in linear_bf16.cpp (kColumns)
+# Wider inputs go to oneDNN: a block's weights (64 columns x in_features) and a row tile no longer stay in L2
+# together, and oneDNN's blocking along the input wins (a Llama-1B down projection, 8192 wide: 0.64-0.74x).
+MAX_BRGEMM_IN_FEATURES = 2048
 # Set to True on a SwiGLU's concatenated gate and up projection (gate's columns first): its brgemm form returns
 # silu(gate) * up instead, and has fuses_silu_and_mul = True.
 SWIGLU_GATE_UP = "swiglu_gate_up"
@@ -93,9 +96,10 @@ def _alternating(gate_up: torch.Tensor, width: int, block: int = BLOCK_COLUMNS) 
 
 
 def can_brgemm(linear: torch.nn.Linear, kernels) -> bool:
-    """bf16 weights of an even input width (brgemm takes pairs of bf16), with kernels built for AVX512_BF16."""
+    """bf16 weights of an even input width (brgemm takes pairs of bf16) up to MAX_BRGEMM_IN_FEATURES, with kernels
+    built for AVX512_BF16."""
     return (kernels is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
-            and kernels.linear_bf16_available())
+            and linear.in_features <= MAX_BRGEMM_IN_FEATURES and kernels.linear_bf16_available())
 
 
 def can_pack(dtype: torch.dtype = torch.float32) -> bool:

@@ -159,8 +159,8 @@ def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
 
 @pytest.mark.parametrize("dim", [16, 48, 80, 128])
 def test_prefill_kernel_matches_torch_at_other_head_sizes(dim, kernels):
-    """bf16's tile GEMMs pack keys and values 32 dimensions at a time with a remainder: head sizes that are and are
-    not multiples of 32, and prompts whose last key tile is cut short of 64 keys."""
+    """bf16's tile GEMMs pack values 32 dimensions at a time, then the remainder one by one: head sizes that are and
+    are not multiples of 32, and prompts whose last key tile is cut short of 64 keys."""
     torch.manual_seed(4)
     past_lens, q_lens = [0, 0, 7], [16, 90, 40]
     caches = make_caches("bf16", 64, dim)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.packed_linear import (SWIGLU_GATE_UP, BrgemmLinear, BrgemmSiluAndMul, PackedLinear,
-                                                 can_pack, float32_logits, use_packed_linears)
+from pagedllm.backends.cpu.packed_linear import (MAX_BRGEMM_IN_FEATURES, SWIGLU_GATE_UP, BrgemmLinear,
+                                                 BrgemmSiluAndMul, PackedLinear, can_pack, float32_logits,
+                                                 use_packed_linears)
 
 kernels, _ = load_kernels("auto")
 has_brgemm = kernels is not None and kernels.linear_bf16_available()
@@ -92,6 +93,15 @@ def test_brgemm_linear_takes_strided_rows():
     use_packed_linears(model, kernels)
     for x, want in zip(inputs, expected):
         torch.testing.assert_close(model(x), want, atol=1e-2, rtol=1e-2)
+
+
+@brgemm_only
+def test_inputs_wider_than_brgemms_limit_stay_with_onednn():
+    """A down projection of a 1B-class model (thousands wide) runs faster through oneDNN's input blocking."""
+    model = torch.nn.Sequential(torch.nn.Linear(MAX_BRGEMM_IN_FEATURES, 8).to(torch.bfloat16),
+                                torch.nn.Linear(MAX_BRGEMM_IN_FEATURES + 2, 8).to(torch.bfloat16))
+    assert use_packed_linears(model, kernels) == {"brgemm": 1, "brgemm+silu": 0, "oneDNN": 1}
+    assert isinstance(model[0], BrgemmLinear) and isinstance(model[1], PackedLinear)
 
 
 @brgemm_only
