@@ -66,9 +66,10 @@ class ModelRunner:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
         packed = use_packed_linears(self.model, self.kernels)
+        head_in_float32 = float32_logits(self.model)
         logger.info("linear layers: %s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                      if count) or "nn.Linear",
-                    "; the LM head returns float32 logits" if float32_logits(self.model) else "")
+                    "; the LM head returns float32 logits" if head_in_float32 else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
