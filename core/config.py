@@ -66,7 +66,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("enable_chunked_prefill", bool, True,
             "cut long prompts into chunks that share steps with decodes (on by default, as in vLLM)"),
     Setting("enable_prefix_caching", bool, False, "reuse KV blocks of identical prompt prefixes across requests"),
-    Setting("block_size", int, None, "tokens per KV block", shown_default="the backend's (cpu: 8, openvino: 32)"),
+    Setting("block_size", int, None, "tokens per KV block", shown_default="the backend's (cpu: 16, openvino: 32)"),
     Setting("kv_cache_space", float, 4.0, "GiB of memory for the KV cache"),
     Setting("seed", int, 0, "seed for requests that give none"),
     Setting("kv_cache_dtype", str, "auto", "KV cache element type; auto = the backend's choice for the dtype "

@@ -78,11 +78,11 @@ def test_the_readme_settings_table_is_the_generated_one():
 def test_stats_are_one_snapshot(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.01, enable_prefix_caching=True)
     assert llm.engine.stats() == EngineStats(kv_blocks_total=llm.engine.num_blocks, prefix_caching=True)
-    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12, 13]] * 2, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate([list(range(5, 22))] * 2, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.stats()
-    assert (stats.prompt_tokens, stats.generation_tokens, stats.finished_requests) == (18, 8, 2)
+    assert (stats.prompt_tokens, stats.generation_tokens, stats.finished_requests) == (34, 8, 2)
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
-    assert stats.prefix_cache_queries == 18 and stats.prefix_cache_hits == 8  # the second sees the first's block
+    assert stats.prefix_cache_queries == 34 and stats.prefix_cache_hits == 16  # the second sees the first's block
     assert stats.peak_kv_blocks >= 2 and stats.steps >= 4
     with pytest.raises(AttributeError):
         stats.steps = 0

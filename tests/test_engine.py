@@ -120,9 +120,9 @@ def test_seeded_sampling_is_reproducible(llm):
 
 
 def test_kv_cache_too_small_names_the_numbers(tiny_llama):
-    with pytest.raises(ConfigError, match=r"KV cache is too small: 1e-05 GiB .* holds 2 blocks of 8 tokens .* "
-                                          r"max_model_len 128 needs 16 blocks"):
-        LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.00001)
+    with pytest.raises(ConfigError, match=r"KV cache is too small: 2e-05 GiB .* holds 2 blocks of 16 tokens .* "
+                                          r"max_model_len 128 needs 8 blocks"):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_space=0.00002)
 
 
 def test_unknown_backend_and_missing_model(tiny_llama):

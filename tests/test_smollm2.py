@@ -76,5 +76,5 @@ def test_cli_generate_end_to_end(llm):
     expected = llm.chat([{"role": "user", "content": "Tell me about Paris"}],
                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].text
     assert proc.stdout.strip() == expected.strip() and "Paris" in expected
-    for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 8 tokens", "max_model_len 1024"):
+    for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 16 tokens", "max_model_len 1024"):
         assert line in proc.stderr

@@ -11,8 +11,8 @@ import pytest
 from pagedllm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
-BLOCKS = 40  # blocks of 8 tokens: five ~60-token sequences do not fit at once
-SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 8 * 4  # K and V, 30 layers, 3 KV heads, head size 64, 8 tokens, float32
+BLOCKS = 20  # blocks of 16 tokens: five ~60-token sequences do not fit at once
+SMOLLM2_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4  # K and V, 30 layers, 3 KV heads, head size 64, 16 tokens, float32
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 CITIES = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string"},
@@ -113,13 +113,13 @@ def test_bad_constraints_are_refused_naming_the_problem(llm, spec, message):
 
 
 def test_preemption_mid_grammar_resumes_the_grammar_exactly(llm):
-    """Six prompts of ~58 tokens in 40 blocks of 8: five run at once, and as their decodes run out of blocks the
+    """Six prompts of ~58 tokens in 20 blocks of 16: five run at once, and as their decodes run out of blocks the
     newest are preempted after some output tokens, then recomputed. Their output is the same as alone, and valid."""
     system = ("You are a helpful geography assistant. You answer every question about countries and their cities "
               "with one JSON object and nothing else: no explanations, no greetings, and no text around it.")
     prompts = [chat(llm, f"List three cities of {country} as JSON.", system)
                for country in ("France", "Germany", "Italy", "Spain", "Japan", "Brazil")]
-    assert all(50 < len(p["prompt_token_ids"]) <= 64 for p in prompts)  # 8 blocks each, 5 fit at once
+    assert all(50 < len(p["prompt_token_ids"]) <= 64 for p in prompts)  # 4 blocks each, 5 fit at once
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": CITIES})
     alone = [generate(llm, p, params)[0].outputs[0].token_ids for p in prompts]
     preemptions = llm.engine.scheduler.num_preemptions

@@ -42,6 +42,8 @@ def test_recording_wraps_the_cpu_backend_and_writes_every_step(recording, tiny_l
 
     path = tmp_path / "steps.jsonl"
     monkeypatch.setenv("PAGEDLLM_RECORDING_PATH", str(path))
+    # A cpu backend whose default differs from Backend's 16 shows whose default the core read.
+    monkeypatch.setattr(get_backend_class("cpu"), "default_block_size", 8)
     settings = dict(dtype="float32", kv_cache_space=0.01, max_num_batched_tokens=32, max_num_seqs=8)
     prompts = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                                             32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56]]
@@ -58,7 +60,7 @@ def test_recording_wraps_the_cpu_backend_and_writes_every_step(recording, tiny_l
 
     events = read_events(path)
     start, end = events[0], events[-1]
-    # The core read the block size and env names from the class: the cpu backend's 8, not Backend's 16.
+    # The core read the block size and env names from the class: the wrapped cpu backend's 8, not Backend's 16.
     assert (start["event"], start["backend"], start["block_size"]) == ("start", "cpu", 8)
     assert start["max_num_batched_tokens"] == 32 and start["model_info"]["architecture"] == "llama"
     assert end == {"event": "end", "steps": steps}

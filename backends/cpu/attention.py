@@ -24,8 +24,8 @@ ATTENTION_NAME = "pagedllm_cpu"
 # shortest, plus a slack so that very short chunks do not each get a group of their own.
 _BUCKET_RATIO, _BUCKET_SLACK = 2, 16
 # A shared prefix is read once per tile of sequences only when it pays for the merge: enough sequences share
-# enough blocks.
-_SHARED_MIN_SEQS, _SHARED_MIN_BLOCKS = 4, 4
+# enough tokens (in whole blocks).
+_SHARED_MIN_SEQS, _SHARED_MIN_TOKENS = 4, 32
 
 
 def _length_buckets(lengths: list[int]) -> list[list[int]]:
@@ -42,17 +42,17 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
 
 
 def shared_prefix_blocks(table: torch.Tensor, lens: torch.Tensor, block_size: int, min_seqs: int = _SHARED_MIN_SEQS,
-                         min_blocks: int = _SHARED_MIN_BLOCKS) -> int:
+                         min_tokens: int = _SHARED_MIN_TOKENS) -> int:
     """How many leading block-table columns hold the same block for every sequence (a prompt prefix they share
     through the prefix cache), counting only blocks each sequence filled before its newest token; 0 when fewer than
-    ``min_seqs`` sequences or ``min_blocks`` blocks would share. The decode kernel then reads those blocks once per
+    ``min_seqs`` sequences or blocks of fewer than ``min_tokens`` tokens would share. The decode kernel then reads those blocks once per
     16 sequences instead of once per sequence."""
     if table.shape[0] < min_seqs:
         return 0
     limit = min(table.shape[1], int((lens.min() - 1) // block_size))
     same = (table[:, :limit] == table[:1, :limit]).all(0)
     shared = limit if bool(same.all()) else int(same.int().argmin())
-    return shared if shared >= min_blocks else 0
+    return shared if shared * block_size >= min_tokens else 0
 
 
 class PrefillGroup:

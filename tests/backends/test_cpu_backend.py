@@ -97,7 +97,7 @@ def test_logs_say_what_was_chosen(tiny_llama, pagedllm_logs):
     assert "float16 asked: the cpu backend runs it as bfloat16" in text
     assert "threads bound to CPUs" in text and "NUMA node" in text
     assert "TCMalloc" in text and "IPEX" in text
-    assert "KV cache:" in text and "blocks of 8 tokens" in text
+    assert "KV cache:" in text and "blocks of 16 tokens" in text
     assert "weights on " in text and "pages" in text  # the huge-pages step ran at load and said what it chose
 
 
@@ -130,7 +130,7 @@ def test_the_calling_thread_is_pinned_only_while_the_model_runs(tiny_llama):
 
 @pytest.mark.parametrize("kv_dtype, element", [("fp32", 4), ("bf16", 2)])
 def test_kv_cache_dtype_sets_the_block_cost(tiny_llama, kv_dtype, element):
-    space = 40 * kv_bytes_per_block("llama", block_size=8, element_size=element) / 2**30  # the default
+    space = 40 * kv_bytes_per_block("llama", element_size=element) / 2**30  # the default block size
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_space=space, max_model_len=128)
     assert llm.engine.num_blocks == 40
     out = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

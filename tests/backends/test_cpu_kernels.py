@@ -254,4 +254,6 @@ def test_shared_prefix_blocks_are_the_leading_columns_all_decodes_hold():
     assert shared_prefix_blocks(table, torch.tensor([48, 48, 33, 48]), 8) == 4  # 33 tokens: 4 full blocks before
     assert shared_prefix_blocks(table, torch.tensor([48, 48, 32, 48]), 8) == 0  # its newest token is in block 3
     assert shared_prefix_blocks(table[:3], lens[:3], 8) == 0  # fewer than four sequences
-    assert shared_prefix_blocks(table, lens, 8, min_blocks=5) == 0
+    assert shared_prefix_blocks(table, lens, 8, min_tokens=40) == 0
+    assert shared_prefix_blocks(table, lens * 2, 16) == 4  # the minimum is in tokens, not blocks
+    assert shared_prefix_blocks(table, lens, 16) == 2  # the newest token is in block 2: 32 tokens, just enough
