@@ -45,3 +45,24 @@ def tcmalloc_loaded() -> bool:
             return "tcmalloc" in f.read()
     except OSError:
         return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+PAGE = 4096
+#: How much of a new KV cache the backends commit at start-up, in the order the allocator hands out blocks.
+KV_COMMIT_BYTES = 1 << 30
+
+
+def commit(address: int, nbytes: int) -> bool:
+    """Back [address, address + nbytes) with memory now rather than on first write. In a VM the first write to a
+    page can cost a host fault, and one paid inside a step stalls every thread at the next barrier. False where
+    the kernel cannot (not Linux, or older than 5.14): the pages then come on first write, as before."""
+    import ctypes
+    import sys
+
+    if nbytes <= 0 or not sys.platform.startswith("linux"):
+        return False
+    start = address // PAGE * PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import time
 
 import numpy as np
 
@@ -133,7 +134,10 @@ class OpenVINOBackend(Backend):
         return self.kv_cache.bytes_per_block()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache.allocate(num_blocks, self.request)
+        start = time.perf_counter()
+        committed = self.kv_cache.allocate(num_blocks, self.request)
+        logger.info("KV cache: the first %d of %d blocks committed to memory in %.2f s", committed, num_blocks,
+                    time.perf_counter() - start)
 
     def warm_up(self, batch: Batch) -> None:
         self.execute(batch)

@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from pagedllm.memory import KV_COMMIT_BYTES, commit
+
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
 
 
@@ -55,8 +57,9 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return sum(i.bytes_per_block for i in self.inputs)
 
-    def allocate(self, num_blocks: int, request) -> None:
-        """Zeroed memory (pages are committed as blocks are first written) bound to the infer request."""
+    def allocate(self, num_blocks: int, request) -> int:
+        """Zeroed memory bound to the infer request. The blocks the allocator hands out first (the lowest ids) are
+        committed now, up to KV_COMMIT_BYTES; the rest as they are first written. Returns how many were."""
         import openvino as ov
 
         self.buffers = []
@@ -65,6 +68,9 @@ class PagedKVCache:
             request.set_tensor(cache.name, ov.Tensor(buffer, ov.Shape([num_blocks, *cache.block_shape]),
                                                      cache.element_type))
             self.buffers.append(buffer)
+        first = min(num_blocks, KV_COMMIT_BYTES // self.bytes_per_block())
+        committed = all([commit(b.ctypes.data, first * b.shape[1]) for b in self.buffers])
+        return first if committed else 0
 
     @property
     def num_blocks(self) -> int:

@@ -188,3 +188,22 @@ def test_without_openvino_the_listing_says_what_to_install():
         "print([i.reason for i in list_backends() if i.name == 'openvino'][0])\n")
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
     assert "openvino not installed" in out and "make install" in out and "--no-deps optimum-intel" in out, out
+
+
+def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, monkeypatch):
+    """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
+    from test_memory import resident_pages
+
+    from pagedllm.backends.openvino import kv_cache
+
+    def committed(buffer: np.ndarray, rows: int) -> bool:
+        start = buffer.ctypes.data // 4096 * 4096
+        nbytes = buffer.ctypes.data + rows * buffer.shape[1] - start
+        return resident_pages(start, nbytes) == -(-nbytes // 4096)
+
+    llm = make_llm(tiny_llama)  # 0.01 GiB: all of it within the budget
+    cache, request = llm.engine.backend.kv_cache, llm.engine.backend.request
+    assert all(committed(buffer, len(buffer)) for buffer in cache.buffers)
+    monkeypatch.setattr(kv_cache, "KV_COMMIT_BYTES", 3 * cache.bytes_per_block())
+    assert cache.allocate(llm.engine.num_blocks, request) == 3
+    assert all(committed(buffer, 3) for buffer in cache.buffers)

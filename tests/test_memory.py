@@ -1,0 +1,33 @@
+"""pagedllm.memory.commit: pages backed before their first write, so a step does not pay for them."""
+
+import ctypes
+import mmap
+import sys
+
+import pytest
+
+from pagedllm.memory import PAGE, commit
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+
+
+def resident_pages(address: int, nbytes: int) -> int:
+    """How many pages of a page-aligned range are in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-nbytes // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(address, nbytes, vec) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vec.raw[:pages])
+
+
+def test_commit_backs_the_pages_of_a_range_and_no_others():
+    region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert resident_pages(address, 64 * PAGE) == 0
+    if not commit(address + 100, 10 * PAGE):  # pages 0..10: the range starts inside page 0
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    assert resident_pages(address, 11 * PAGE) == 11
+    assert resident_pages(address + 11 * PAGE, 53 * PAGE) == 0
+    assert region[:64 * PAGE] == bytes(64 * PAGE)  # still zeros
+    assert not commit(address, 0)
