@@ -21,6 +21,12 @@ def resident_pages(address: int, nbytes: int) -> int:
     return sum(byte & 1 for byte in vec.raw[:pages])
 
 
+def all_resident(address: int, nbytes: int) -> bool:
+    """Whether every page holding a byte of [address, address + nbytes) is in memory."""
+    start = address // PAGE * PAGE
+    return resident_pages(start, address + nbytes - start) == -(-(address + nbytes - start) // PAGE)
+
+
 def test_commit_backs_the_pages_of_a_range_and_no_others():
     region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))

@@ -11,11 +11,13 @@ import mmap
 
 import torch
 
+from pagedllm.memory import commit
+
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros from an anonymous mapping: the kernel hands out zero pages on first touch, so a large cache costs
-    no start-up time and no resident memory until blocks are used. Transparent huge pages are asked for: in a VM a
-    fault per 4 KiB page makes first writes far dearer."""
+    no resident memory until blocks are used (beyond the first ones, which commit_first_blocks backs at start-up).
+    Transparent huge pages are asked for: in a VM a fault per 4 KiB page makes first writes far dearer."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -121,6 +123,14 @@ def make_layer_caches(kind: str, num_blocks: int, heads: int, block_size: int, h
                 QuantizedBlockCache(num_blocks, heads, block_size, head_size))
     return (BlockCache(num_blocks, heads, block_size, head_size, dtype),
             BlockCache(num_blocks, heads, block_size, head_size, dtype))
+
+
+def commit_first_blocks(caches: list[tuple], count: int) -> bool:
+    """Back the first ``count`` blocks of every layer's tensors with memory now: the allocator hands out the lowest
+    block ids first, and their pages would otherwise be faulted in by the first steps' writes."""
+    tensors = [t for pair in caches for cache in pair for t in (cache.data, cache.scale, cache.minimum)
+               if t is not None]
+    return all([commit(t.data_ptr(), count * t.stride(0) * t.element_size()) for t in tensors])
 
 
 def bytes_per_block(kind: str, num_layers: int, heads: int, block_size: int, head_size: int,

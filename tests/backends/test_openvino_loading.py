@@ -192,14 +192,12 @@ def test_without_openvino_the_listing_says_what_to_install():
 
 def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, monkeypatch):
     """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
-    from test_memory import resident_pages
+    from test_memory import all_resident
 
     from pagedllm.backends.openvino import kv_cache
 
     def committed(buffer: np.ndarray, rows: int) -> bool:
-        start = buffer.ctypes.data // 4096 * 4096
-        nbytes = buffer.ctypes.data + rows * buffer.shape[1] - start
-        return resident_pages(start, nbytes) == -(-nbytes // 4096)
+        return all_resident(buffer.ctypes.data, rows * buffer.shape[1])
 
     llm = make_llm(tiny_llama)  # 0.01 GiB: all of it within the budget
     cache, request = llm.engine.backend.kv_cache, llm.engine.backend.request
