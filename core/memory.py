@@ -1,8 +1,12 @@
-"""How much memory this process can still use: the kernel's MemAvailable, capped by a cgroup limit."""
+"""How much memory this process can still use (the kernel's MemAvailable, capped by a cgroup limit), and backing
+memory before its first write."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
 from pathlib import Path
 
 
@@ -48,7 +52,7 @@ def tcmalloc_loaded() -> bool:
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 #: How much of a new KV cache the backends commit at start-up, in the order the allocator hands out blocks.
 KV_COMMIT_BYTES = 1 << 30
 
@@ -57,9 +61,6 @@ def commit(address: int, nbytes: int) -> bool:
     """Back [address, address + nbytes) with memory now rather than on first write. In a VM the first write to a
     page can cost a host fault, and one paid inside a step stalls every thread at the next barrier. False where
     the kernel cannot (not Linux, or older than 5.14): the pages then come on first write, as before."""
-    import ctypes
-    import sys
-
     if nbytes <= 0 or not sys.platform.startswith("linux"):
         return False
     start = address // PAGE * PAGE

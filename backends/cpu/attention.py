@@ -45,8 +45,8 @@ def shared_prefix_blocks(table: torch.Tensor, lens: torch.Tensor, block_size: in
                          min_tokens: int = _SHARED_MIN_TOKENS) -> int:
     """How many leading block-table columns hold the same block for every sequence (a prompt prefix they share
     through the prefix cache), counting only blocks each sequence filled before its newest token; 0 when fewer than
-    ``min_seqs`` sequences or blocks of fewer than ``min_tokens`` tokens would share. The decode kernel then reads those blocks once per
-    16 sequences instead of once per sequence."""
+    ``min_seqs`` sequences or blocks of fewer than ``min_tokens`` tokens would share. The decode kernel then reads
+    those blocks once per 16 sequences instead of once per sequence."""
     if table.shape[0] < min_seqs:
         return 0
     limit = min(table.shape[1], int((lens.min() - 1) // block_size))
