@@ -27,12 +27,22 @@ def all_resident(address: int, nbytes: int) -> bool:
     return resident_pages(start, address + nbytes - start) == -(-(address + nbytes - start) // PAGE)
 
 
+def fresh_pages(count: int) -> tuple[mmap.mmap, int]:
+    region = mmap.mmap(-1, count * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return region, ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+
+def skip_unless_commit_works() -> None:
+    _, address = fresh_pages(1)
+    if not commit(address, PAGE):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14 or newer")
+
+
 def test_commit_backs_the_pages_of_a_range_and_no_others():
-    region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    skip_unless_commit_works()
+    region, address = fresh_pages(64)
     assert resident_pages(address, 64 * PAGE) == 0
-    if not commit(address + 100, 10 * PAGE):  # pages 0..10: the range starts inside page 0
-        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    assert commit(address + 100, 10 * PAGE)  # pages 0..10: the range starts inside page 0
     assert resident_pages(address, 11 * PAGE) == 11
     assert resident_pages(address + 11 * PAGE, 53 * PAGE) == 0
     assert region[:64 * PAGE] == bytes(64 * PAGE)  # still zeros
