@@ -4,6 +4,7 @@ memory before its first write."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -57,13 +58,24 @@ PAGE = mmap.PAGESIZE
 KV_COMMIT_BYTES = 1 << 30
 
 
+def madvise(address: int, nbytes: int, advice: int) -> int:
+    """madvise(2) over the pages holding [address, address + nbytes), for memory Python's mmap objects do not own
+    (numpy's, torch's, oneDNN's): 0, or the errno."""
+    if not sys.platform.startswith("linux"):
+        return errno.ENOSYS
+    start = address // PAGE * PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return 0 if libc.madvise(start, address + nbytes - start, advice) == 0 else ctypes.get_errno()
+
+
 def commit(address: int, nbytes: int) -> bool:
     """Back [address, address + nbytes) with memory now rather than on first write. In a VM the first write to a
     page can cost a host fault, and one paid inside a step stalls every thread at the next barrier. False where
     the kernel cannot (not Linux, or older than 5.14): the pages then come on first write, as before."""
-    if nbytes <= 0 or not sys.platform.startswith("linux"):
-        return False
-    start = address // PAGE * PAGE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0
+    return nbytes > 0 and madvise(address, nbytes, MADV_POPULATE_WRITE) == 0
+
+
+def blocks_to_commit(num_blocks: int, bytes_per_block: int) -> int:
+    """How many of a new KV cache's blocks (the lowest ids) to commit at start-up: up to KV_COMMIT_BYTES."""
+    return min(num_blocks, KV_COMMIT_BYTES // bytes_per_block)

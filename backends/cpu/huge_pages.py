@@ -9,11 +9,12 @@ and the copy costs seconds.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 
 import torch
+
+from pagedllm.memory import madvise
 
 HUGE_PAGE = 2 << 20
 MAX_BYTES = 1 << 30
@@ -52,16 +53,14 @@ def collapse(regions: list[int]) -> tuple[int, str | None]:
         return 0, None
     if not sys.platform.startswith("linux"):
         return 0, "not Linux"
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done, reason = 0, None
     for start in regions:
         # MADV_HUGEPAGE too, so that khugepaged keeps the region huge (and collapses it later where COLLAPSE failed).
-        libc.madvise(start, HUGE_PAGE, MADV_HUGEPAGE)
-        if libc.madvise(start, HUGE_PAGE, MADV_COLLAPSE) == 0:
+        madvise(start, HUGE_PAGE, MADV_HUGEPAGE)
+        errno = madvise(start, HUGE_PAGE, MADV_COLLAPSE)
+        if errno == 0:
             done += 1
         else:
-            errno = ctypes.get_errno()
             reason = _ERRORS.get(errno, f"errno {errno}")
     return done, reason
 

@@ -125,12 +125,15 @@ def make_layer_caches(kind: str, num_blocks: int, heads: int, block_size: int, h
             BlockCache(num_blocks, heads, block_size, head_size, dtype))
 
 
+def block_tensors(caches: list[tuple]) -> list[torch.Tensor]:
+    """Every tensor of every layer's keys and values, each indexed by block id first."""
+    return [t for pair in caches for cache in pair for t in (cache.data, cache.scale, cache.minimum) if t is not None]
+
+
 def commit_first_blocks(caches: list[tuple], count: int) -> bool:
     """Back the first ``count`` blocks of every layer's tensors with memory now: the allocator hands out the lowest
     block ids first, and their pages would otherwise be faulted in by the first steps' writes."""
-    tensors = [t for pair in caches for cache in pair for t in (cache.data, cache.scale, cache.minimum)
-               if t is not None]
-    return all([commit(t.data_ptr(), count * t.stride(0) * t.element_size()) for t in tensors])
+    return all([commit(t.data_ptr(), count * t.stride(0) * t.element_size()) for t in block_tensors(caches)])
 
 
 def bytes_per_block(kind: str, num_layers: int, heads: int, block_size: int, head_size: int,

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.backend import ModelInfo
 from pagedllm.batch import Batch
-from pagedllm.memory import KV_COMMIT_BYTES
+from pagedllm.memory import blocks_to_commit
 from pagedllm.backends.cpu import attention, kv_cache
 from pagedllm.backends.cpu.architectures import check_supported
 from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
@@ -103,7 +103,7 @@ class ModelRunner:
                                                      self.head_size, self.cache_dtype)
                           for _ in range(self.num_layers)]
         start = time.perf_counter()
-        first = min(num_blocks, KV_COMMIT_BYTES // self.kv_cache_bytes_per_block(block_size))
+        first = blocks_to_commit(num_blocks, self.kv_cache_bytes_per_block(block_size))
         committed = first if kv_cache.commit_first_blocks(self.kv_caches, first) else 0
         logger.info("KV cache: the first %d of %d blocks committed to memory in %.2f s", committed, num_blocks,
                     time.perf_counter() - start)

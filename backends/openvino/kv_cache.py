@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from pagedllm.memory import KV_COMMIT_BYTES, commit
+from pagedllm.memory import blocks_to_commit, commit
 
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
 
@@ -59,7 +59,7 @@ class PagedKVCache:
 
     def allocate(self, num_blocks: int, request) -> int:
         """Zeroed memory bound to the infer request. The blocks the allocator hands out first (the lowest ids) are
-        committed now, up to KV_COMMIT_BYTES; the rest as they are first written. Returns how many were."""
+        committed now (see blocks_to_commit); the rest as they are first written. Returns how many were."""
         import openvino as ov
 
         self.buffers = []
@@ -68,7 +68,7 @@ class PagedKVCache:
             request.set_tensor(cache.name, ov.Tensor(buffer, ov.Shape([num_blocks, *cache.block_shape]),
                                                      cache.element_type))
             self.buffers.append(buffer)
-        first = min(num_blocks, KV_COMMIT_BYTES // self.bytes_per_block())
+        first = blocks_to_commit(num_blocks, self.bytes_per_block())
         committed = all([commit(b.ctypes.data, first * b.shape[1]) for b in self.buffers])
         return first if committed else 0
 

@@ -133,24 +133,22 @@ def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, kv_
     """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
     from test_memory import all_resident, skip_unless_commit_works
 
-    from pagedllm.backends.cpu import model_runner
+    from pagedllm import memory
+    from pagedllm.backends.cpu.kv_cache import block_tensors
 
     skip_unless_commit_works()
 
     def committed(tensor: torch.Tensor, blocks: int) -> bool:
         return all_resident(tensor.data_ptr(), blocks * tensor.stride(0) * tensor.element_size())
 
-    def tensors(runner):
-        return [t for pair in runner.kv_caches for cache in pair for t in (cache.data, cache.scale, cache.minimum)
-                if t is not None]
-
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=kv_dtype, kv_cache_space=0.01, max_model_len=128)
     runner = llm.engine.backend.runner
-    assert all(committed(t, llm.engine.num_blocks) for t in tensors(runner))  # 0.01 GiB: all within the budget
+    # 0.01 GiB: all of it within the budget
+    assert all(committed(t, llm.engine.num_blocks) for t in block_tensors(runner.kv_caches))
     block_size = llm.engine.config.block_size
-    monkeypatch.setattr(model_runner, "KV_COMMIT_BYTES", 3 * runner.kv_cache_bytes_per_block(block_size))
+    monkeypatch.setattr(memory, "KV_COMMIT_BYTES", 3 * runner.kv_cache_bytes_per_block(block_size))
     runner.allocate_kv_cache(llm.engine.num_blocks, block_size)
-    assert all(committed(t, 3) for t in tensors(runner))
+    assert all(committed(t, 3) for t in block_tensors(runner.kv_caches))
 
 
 @pytest.mark.parametrize("kv_dtype, element", [("fp32", 4), ("bf16", 2)])

@@ -194,7 +194,7 @@ def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, mon
     """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
     from test_memory import all_resident, skip_unless_commit_works
 
-    from pagedllm.backends.openvino import kv_cache
+    from pagedllm import memory
 
     skip_unless_commit_works()
 
@@ -204,6 +204,6 @@ def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, mon
     llm = make_llm(tiny_llama)  # 0.01 GiB: all of it within the budget
     cache, request = llm.engine.backend.kv_cache, llm.engine.backend.request
     assert all(committed(buffer, len(buffer)) for buffer in cache.buffers)
-    monkeypatch.setattr(kv_cache, "KV_COMMIT_BYTES", 3 * cache.bytes_per_block())
+    monkeypatch.setattr(memory, "KV_COMMIT_BYTES", 3 * cache.bytes_per_block())
     assert cache.allocate(llm.engine.num_blocks, request) == 3
     assert all(committed(buffer, 3) for buffer in cache.buffers)
