@@ -126,7 +126,7 @@ class Harness:
 
     # -- vLLM ---------------------------------------------------------------------------------------------
     def prepare_vllm(self) -> None:
-        from pagedllm.backends.cpu_features import describe
+        from pagedllm.backends.common.cpu_features import describe
 
         print(f"CPU: {describe()}", flush=True)
         log_path = self.work_dir / "vllm-setup.log"
@@ -356,7 +356,7 @@ def resolved_dtype(dtype: str) -> str:
     """What pagedllm's --dtype means on this CPU (auto: bfloat16 where the CPU has native bf16)."""
     if dtype != "auto":
         return dtype
-    from pagedllm.backends.cpu_features import has_native_bf16
+    from pagedllm.backends.common.cpu_features import has_native_bf16
 
     return "bfloat16" if has_native_bf16() else "float32"
 
@@ -440,7 +440,7 @@ def main() -> None:
         plot(json.loads(args.from_summary.read_text()), args.plot)
         return
     from pagedllm.bench.workload import random_workload
-    from pagedllm.model_source import cache_dir, load_tokenizer, resolve_model
+    from pagedllm.models.source import cache_dir, load_tokenizer, resolve_model
 
     work_dir = args.work_dir or cache_dir() / "bench" / time.strftime("compare-%Y%m%d-%H%M%S")
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -17,14 +17,16 @@ import time
 
 import torch
 
+from pagedllm.utils import cdiv
+
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, LAYERS = 9, 3, 64, 8, 30  # SmolLM2-135M
 
 
 def make_case(num_seqs: int, context: int, shared_blocks: int, dtype: torch.dtype):
     """(per-layer caches, block table, lengths, queries) with each sequence's own blocks scattered at random."""
-    from pagedllm.backends.cpu.kv_cache import lazy_zeros
+    from pagedllm.backends.cpu.layers.kv_cache import lazy_zeros
 
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = cdiv(context, BLOCK_SIZE)
     total = shared_blocks + num_seqs * (per_seq - shared_blocks) + 8
 
     def cache():
@@ -56,7 +58,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    from pagedllm.backends.cpu.kernels import load_kernels
+    from pagedllm.backends.cpu.runner.kernels import load_kernels
 
     torch.set_num_threads(args.threads)
     kernels, description = load_kernels("kernel")

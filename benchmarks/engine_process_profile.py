@@ -16,11 +16,11 @@ import time
 
 from pagedllm.bench.workload import random_workload
 from pagedllm.config import EngineArgs
-from pagedllm.core_client import core_request
-from pagedllm.core_messages import Step, core_decoder, encoder
-from pagedllm.engine import LLMEngine
-from pagedllm.engine_core import request_delta
-from pagedllm.output_processor import OutputProcessor
+from pagedllm.engine.core import request_delta
+from pagedllm.engine.core_client import core_request
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.messages import Step, core_decoder, encoder
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -113,7 +113,7 @@ def kernel_times(llm, batch, repeat: int) -> list[tuple[str, float, int]]:
     the rest of the step: torch.profiler does not see the pybind kernels."""
     from collections import defaultdict
 
-    from pagedllm.backends.cpu import packed_linear
+    from pagedllm.backends.cpu.layers import packed_linear
 
     kernels = getattr(getattr(llm.engine.backend, "runner", None), "kernels", None)
     if kernels is None:

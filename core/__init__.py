@@ -18,17 +18,17 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "LLM": "pagedllm.llm",
+    "LLM": "pagedllm.engine.llm",
     "SamplingParams": "pagedllm.sampling_params",
-    "StructuredOutputsParams": "pagedllm.structured_output",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
-    "LLMEngine": "pagedllm.engine",
+    "LLMEngine": "pagedllm.engine.llm_engine",
     "EngineArgs": "pagedllm.config",
     "EngineConfig": "pagedllm.config",
     "Backend": "pagedllm.backend",
     "ModelInfo": "pagedllm.backend",
-    "ModelSource": "pagedllm.model_source",
+    "ModelSource": "pagedllm.models.source",
     "Batch": "pagedllm.batch",
     "BackendNotFoundError": "pagedllm.errors",
     "ConfigError": "pagedllm.errors",

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from pagedllm.batch import Batch
     from pagedllm.config import EngineConfig, Setting
-    from pagedllm.model_source import ModelSource
+    from pagedllm.models.source import ModelSource
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """The one thing a backend receives per step: all scheduled tokens of all sequences, flattened. Part of the
-backend contract, so it imports nothing of the core (``batch_builder`` makes it from the scheduler's output)."""
+backend contract, so it imports nothing of the core but ``pagedllm.utils`` (``sched.batch_builder`` makes it from
+the scheduler's output)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+
+from pagedllm.utils import cdiv
 
 
 @dataclasses.dataclass
@@ -43,4 +46,4 @@ class Batch:
         return int(self.seq_lens.max()) if self.num_seqs else 0
 
     def num_blocks_per_seq(self) -> np.ndarray:
-        return (self.seq_lens + self.block_size - 1) // self.block_size
+        return cdiv(self.seq_lens, self.block_size)

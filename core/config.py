@@ -2,12 +2,12 @@
 
 Every field has a ``--flag`` and a ``PAGEDLLM_<NAME>`` env var; a backend may add the env names its
 users know (``VLLM_CPU_KVCACHE_SPACE`` for the cpu backend) and settings of its own (``Backend.settings``),
-which land in ``EngineConfig.backend_options``. Precedence: flag > env > default.
+which land in ``EngineConfig.backend_options``. Precedence: flag > env > default. Part of the backend contract,
+so it imports nothing but ``pagedllm.errors``; the flags of the installed backends are ``pagedllm.engine.arg_utils``'.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import Any, Mapping, Sequence
@@ -109,47 +109,6 @@ class EngineArgs:
         options.update({k: v for k, v in kwargs.items() if k not in names})
         return cls(**{k: v for k, v in kwargs.items() if k in names}, backend_options=options)
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
-        """The core's settings, then every installed backend's own."""
-        group = parser.add_argument_group("engine")
-        for s in SETTINGS:
-            if s.name != "model" or include_model:
-                _add_flag(group, s, s.env)
-        owners = backend_settings()
-        if owners:
-            group = parser.add_argument_group("backend settings")
-        for s, backends in owners:
-            _add_flag(group, s, ", ".join([*s.env_aliases, s.env]), f" ({'/'.join(backends)} backend)")
-
-    @classmethod
-    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
-        values = {f.name: getattr(namespace, f.name, None) for f in dataclasses.fields(cls) if f.name != "backend_options"}
-        options = {s.name: getattr(namespace, s.name) for s, _ in backend_settings()
-                   if getattr(namespace, s.name, None) is not None}
-        return cls(**values, backend_options=options)
-
-
-def _add_flag(group, s: Setting, env: str, owner: str = "") -> None:
-    help_text = s.help + owner + (f" ({'|'.join(s.choices)})" if s.choices else "") + f" [env {env}"
-    help_text += f"; default {s.default}]" if s.default is not None else "]"
-    flags = (s.flag, s.short_flag) if s.short_flag else (s.flag,)
-    if s.type is bool:
-        group.add_argument(*flags, dest=s.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-    else:
-        group.add_argument(*flags, dest=s.name, type=s.type, default=None, help=help_text)
-
-
-def backend_settings() -> list[tuple[Setting, list[str]]]:
-    """Each installed backend's own settings, once each, with the backends that read them."""
-    from pagedllm.plugins.manager import registered_backend_classes
-
-    owners: dict[str, tuple[Setting, list[str]]] = {}
-    for cls in registered_backend_classes():
-        for s in cls.settings:
-            owners.setdefault(s.name, (s, []))[1].append(cls.name)
-    return list(owners.values())
-
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -223,11 +182,13 @@ def _parse_env(setting: Setting, env_name: str, raw: str) -> Any:
 
 
 def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None = None,
-            environ: Mapping[str, str] | None = None, backend_settings: Sequence[Setting] = ()) -> EngineConfig:
+            environ: Mapping[str, str] | None = None, backend_settings: Sequence[Setting] = (),
+            setting_owners: Mapping[str, Sequence[str]] | None = None) -> EngineConfig:
     """Apply precedence (flag > env > default) and check each value on its own.
 
     ``backend_env`` maps a field to extra env names the chosen backend reads, checked before the
-    generic ``PAGEDLLM_<NAME>``; ``backend_settings`` are the chosen backend's own settings.
+    generic ``PAGEDLLM_<NAME>``; ``backend_settings`` are the chosen backend's own settings; ``setting_owners``
+    (setting name -> backends that declare it) names the backend to choose when a setting is another backend's.
     """
     environ = os.environ if environ is None else environ
     backend_env = backend_env or {}
@@ -241,7 +202,7 @@ def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None 
     own = {s.name: s for s in backend_settings}
     for name in args.backend_options:
         if name not in own:
-            raise ConfigError(_foreign_setting(name, values["backend"]))
+            raise ConfigError(_foreign_setting(name, values["backend"], setting_owners or {}))
     for s in backend_settings:
         options[s.name], sources[s.name] = _resolve_one(s, args.backend_options.get(s.name), (*s.env_aliases, s.env),
                                                         environ)
@@ -261,34 +222,13 @@ def _resolve_one(s: Setting, given: Any, env_names: Sequence[str], environ: Mapp
     return s.default, "default"
 
 
-def _foreign_setting(name: str, backend: str) -> str:
-    owners = [backends for s, backends in backend_settings() if s.name == name]
+def _foreign_setting(name: str, backend: str, setting_owners: Mapping[str, Sequence[str]]) -> str:
+    owners = setting_owners.get(name)
     flag = "--" + name.replace("_", "-")
     if owners:
-        return (f"{flag} is a setting of the {'/'.join(owners[0])} backend, not of {backend!r}; pass --backend "
-                f"{owners[0][0]} or drop it")
+        return (f"{flag} is a setting of the {'/'.join(owners)} backend, not of {backend!r}; pass --backend "
+                f"{owners[0]} or drop it")
     return f"unknown engine setting {name!r} ({flag})"
-
-
-def settings_table() -> list[str]:
-    """The settings as a Markdown table (README's): flag, env vars, default, meaning."""
-    from pagedllm.plugins.manager import registered_backend_classes
-
-    classes = registered_backend_classes()
-    lines = ["| flag | env var | default | meaning |", "| --- | --- | --- | --- |"]
-
-    def row(s: Setting, envs: list[str], owner: str = "") -> None:
-        default = s.shown_default or ("on" if s.default is True else "off" if s.default is False else s.default)
-        choices = f" ({', '.join(f'`{c}`' for c in s.choices)})" if s.choices else ""
-        flag = f"`{s.flag}`" + (f", `{s.short_flag}`" if s.short_flag else "")
-        lines.append(f"| {flag} | {', '.join(envs)} | {default} | {s.help}{choices}{owner} |")
-
-    for s in SETTINGS:
-        envs = [f"`{e}` ({cls.name} backend)" for cls in classes for e in cls.env_vars.get(s.name, ())]
-        row(s, [*envs, f"`{s.env}`"])
-    for s, backends in backend_settings():
-        row(s, [f"`{e}`" for e in (*s.env_aliases, s.env)], f"; {'/'.join(backends)} backend")
-    return lines
 
 
 def resolve_backend_name(args: EngineArgs, environ: Mapping[str, str] | None = None) -> str:

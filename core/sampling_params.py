@@ -3,13 +3,85 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from pagedllm.errors import InvalidRequestError
-from pagedllm.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # A seed seeds a torch.Generator and crosses to the engine core as MessagePack: both take a signed 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+STRUCTURED_OUTPUTS_PARAM = "structured_outputs"
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is one of
+    these strings), ``grammar`` (EBNF as xgrammar and llama.cpp's GBNF write it, or Lark), ``json_object=True``
+    (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured outputs need exactly one of {', '.join(_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}", param=STRUCTURED_OUTPUTS_PARAM)
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (str, dict)):
+            raise InvalidRequestError("a JSON schema is a JSON object or its text", param=STRUCTURED_OUTPUTS_PARAM)
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise InvalidRequestError(f"{kind} must be a non-empty string", param=STRUCTURED_OUTPUTS_PARAM)
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+                raise InvalidRequestError("choice must be a non-empty list of strings", param=STRUCTURED_OUTPUTS_PARAM)
+            object.__setattr__(self, "choice", list(value))
+        if kind == "json_object" and value is not True:
+            raise InvalidRequestError("json_object must be true", param=STRUCTURED_OUTPUTS_PARAM)
+        if kind == "json" and isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
+                                          param=STRUCTURED_OUTPUTS_PARAM) from None
+            if not isinstance(parsed, dict):
+                raise InvalidRequestError("a JSON schema must be a JSON object", param=STRUCTURED_OUTPUTS_PARAM)
+
+    @classmethod
+    def from_dict(cls, value: dict) -> "StructuredOutputsParams":
+        """vLLM's ``structured_outputs`` request field: {"json" | "regex" | "choice" | "grammar" | "json_object"}."""
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("structured_outputs must be an object", param=STRUCTURED_OUTPUTS_PARAM)
+        unknown = sorted(set(value) - set(_KINDS))
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs: unsupported key(s) {', '.join(unknown)}; pagedllm "
+                                      f"supports {', '.join(_KINDS)}", param=STRUCTURED_OUTPUTS_PARAM)
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: equal keys compile once."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            # property order kept: it is the output's
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value)
+        elif kind == "choice":
+            value = json.dumps(value)
+        return kind, str(value)
 
 
 @dataclasses.dataclass

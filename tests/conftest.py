@@ -13,7 +13,7 @@ os.environ.setdefault("PAGEDLLM_LOGGING_LEVEL", "WARNING")
 
 def pytest_report_header(config):
     """Which kind of CPU this run proves: every CI log names it."""
-    from pagedllm.backends import cpu_features
+    from pagedllm.backends.common import cpu_features
 
     auto = "bfloat16" if cpu_features.has_native_bf16() else "float32"
     return [f"CPU: {cpu_features.describe()}; --dtype auto -> {auto} on the cpu backend"]

@@ -12,8 +12,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.bench import add_bench_parser, main
 from pagedllm.bench.serving import RequestResult, arrival_delays, summarize
-from pagedllm.bench.workload import (Workload, WorkloadError, ordinary_token_ids, random_workload,
-                                     sharegpt_workload)
+from pagedllm.bench.workload import Workload, WorkloadError, ordinary_token_ids, random_workload, sharegpt_workload
 
 TINY_ENGINE = ["--dtype", "float32", "--kv-cache-space", "0.01"]
 

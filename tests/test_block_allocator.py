@@ -1,6 +1,6 @@
 import pytest
 
-from pagedllm.block_allocator import BlockAllocator, NoFreeBlocksError
+from pagedllm.kv.block_allocator import BlockAllocator, NoFreeBlocksError
 
 
 def test_allocates_in_order_and_counts():

@@ -3,6 +3,7 @@ import argparse
 import pytest
 
 from pagedllm.config import EngineArgs, resolve, resolve_backend_name
+from pagedllm.engine.arg_utils import add_cli_args, from_cli_args
 from pagedllm.errors import ConfigError
 
 CPU_ENV = {"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")}
@@ -77,9 +78,9 @@ def test_finalize_fills_model_dependent_defaults():
 
 def test_cli_flags_round_trip():
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
+    add_cli_args(parser)
     ns = parser.parse_args(["--max-num-seqs", "4", "--enable-prefix-caching", "--no-enable-chunked-prefill",
                             "--kv-cache-space", "0.5", "--dtype", "float32"])
-    args = EngineArgs.from_cli_args(ns)
+    args = from_cli_args(ns)
     assert (args.max_num_seqs, args.enable_prefix_caching, args.enable_chunked_prefill) == (4, True, False)
     assert (args.kv_cache_space, args.dtype, args.model) == (0.5, "float32", None)

@@ -9,17 +9,18 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import EngineArgs, resolve, settings_table
+from pagedllm.config import EngineArgs, resolve
+from pagedllm.engine.arg_utils import add_cli_args, from_cli_args, settings_table
+from pagedllm.engine.stats import EngineStats, StatsLogger
 from pagedllm.errors import ConfigError
-from pagedllm.stats import EngineStats, StatsLogger
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_the_contract_imports_neither_the_engine_nor_transformers():
     code = ("import sys; import pagedllm.backend, pagedllm.batch, pagedllm.errors; "
-            "print(sorted(m for m in sys.modules if m in ('pagedllm.engine', 'pagedllm.scheduler', "
-            "'pagedllm.llm', 'transformers', 'torch')))")
+            "print(sorted(m for m in sys.modules if m in ('pagedllm.engine.llm_engine', 'pagedllm.sched.scheduler', "
+            "'pagedllm.engine.llm', 'transformers', 'torch')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -61,9 +62,9 @@ def test_a_setting_of_no_backend_is_refused():
 
 def test_the_cli_takes_the_backends_flags():
     parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
+    add_cli_args(parser)
     ns = parser.parse_args(["--quantize-weights", "int8", "--cpu-omp-threads-bind", "0"])
-    assert EngineArgs.from_cli_args(ns).backend_options == {"quantize_weights": "int8", "cpu_omp_threads_bind": "0"}
+    assert from_cli_args(ns).backend_options == {"quantize_weights": "int8", "cpu_omp_threads_bind": "0"}
     assert "(openvino backend)" in parser.format_help() and "(cpu/openvino backend)" in parser.format_help()
 
 

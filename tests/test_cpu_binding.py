@@ -5,8 +5,14 @@ import threading
 
 import pytest
 
-from pagedllm.backends.cpu_binding import (Topology, format_cpu_list, parse_cpu_list, plan_ranks, plan_threads,
-                                          process_cpus)
+from pagedllm.backends.common.cpu_binding import (
+    Topology,
+    format_cpu_list,
+    parse_cpu_list,
+    plan_ranks,
+    plan_threads,
+    process_cpus,
+)
 from pagedllm.errors import ConfigError
 
 
@@ -126,7 +132,7 @@ def test_this_machine():
 
 @pytest.mark.skipif(len(process_cpus()) < 2, reason="needs two CPUs")
 def test_worker_threads_are_pinned_one_to_one():
-    from pagedllm.backends.cpu.threads import ThreadBinder
+    from pagedllm.backends.cpu.runner.threads import ThreadBinder
 
     cpus = sorted(process_cpus())[:2]
     plan = plan_threads(format_cpu_list(cpus))

@@ -3,8 +3,8 @@
 import pytest
 
 from pagedllm import ConfigError
-from pagedllm.backends import cpu_features
-from pagedllm.backends.cpu.kernels import ISA_FLAGS, build_key
+from pagedllm.backends.common import cpu_features
+from pagedllm.backends.cpu.runner.kernels import ISA_FLAGS, build_key
 
 AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}

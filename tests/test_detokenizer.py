@@ -1,4 +1,4 @@
-from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 
 
 def stream(tokenizer, prompt_ids, output_ids, **kwargs):
@@ -59,7 +59,7 @@ def test_earliest_stop_string_wins(tiny_llama):
 def test_the_direct_decode_gives_the_text_transformers_gives(tiny_llama):
     from transformers import AutoTokenizer
 
-    from pagedllm.detokenizer import _decoder
+    from pagedllm.engine.detokenizer import _decoder
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     ids = tok(" Hi there , naïve 😀 .").input_ids + [tok.eos_token_id]

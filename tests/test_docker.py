@@ -19,8 +19,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-from pagedllm.backends.cpu import allocator
-from pagedllm.backends.cpu_features import LEVELS
+from pagedllm.backends.common.cpu_features import LEVELS
+from pagedllm.backends.cpu.runner import allocator
 from pagedllm.entrypoints.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +137,7 @@ def test_the_commands_run_at_build_time_parse(steps):
             if words[:1] == ["pagedllm"]:
                 args = build_parser().parse_args(words[1:])
                 assert args.command == "generate" and args.max_tokens <= 8
-            if words[:3] == ["python3", "-m", "pagedllm.backends.cpu.kernels"]:
+            if words[:3] == ["python3", "-m", "pagedllm.backends.cpu.runner.kernels"]:
                 assert words[3:] == ["--isa", "avx2"] and "avx2" in LEVELS
 
 

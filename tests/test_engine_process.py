@@ -98,6 +98,6 @@ def test_the_generate_command_streams_through_a_core_process(tiny_llama, capsys)
 def test_the_core_dying_is_an_error_not_a_hang(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, kv_cache_space=0.01, engine_process=True)
     os.kill(llm.engine.core.proc.pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="exited with -9"):
+    with pytest.raises(RuntimeError, match=r"exited unexpectedly \(exit code -9\)"):
         llm.generate("Paris", SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     llm.shutdown()

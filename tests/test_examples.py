@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from server_process import ServerProcess
 
 from pagedllm.plugins import list_backends
-from server_process import ServerProcess
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 OPENVINO = any(i.name == "openvino" and i.available for i in list_backends())

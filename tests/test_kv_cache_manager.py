@@ -1,4 +1,4 @@
-from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""pagedllm.memory.commit: pages backed before their first write, so a step does not pay for them."""
+"""pagedllm.backends.common.memory.commit: pages backed before their first write, so a step does not pay for them."""
 
 import ctypes
 import mmap
@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from pagedllm.memory import PAGE, commit
+from pagedllm.backends.common.memory import PAGE, commit
+from pagedllm.utils import cdiv
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 
@@ -15,7 +16,7 @@ def resident_pages(address: int, nbytes: int) -> int:
     """How many pages of a page-aligned range are in memory (mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    pages = -(-nbytes // PAGE)
+    pages = cdiv(nbytes, PAGE)
     vec = ctypes.create_string_buffer(pages)
     assert libc.mincore(address, nbytes, vec) == 0, ctypes.get_errno()
     return sum(byte & 1 for byte in vec.raw[:pages])
@@ -24,7 +25,7 @@ def resident_pages(address: int, nbytes: int) -> int:
 def all_resident(address: int, nbytes: int) -> bool:
     """Whether every page holding a byte of [address, address + nbytes) is in memory."""
     start = address // PAGE * PAGE
-    return resident_pages(start, address + nbytes - start) == -(-(address + nbytes - start) // PAGE)
+    return resident_pages(start, address + nbytes - start) == cdiv(address + nbytes - start, PAGE)
 
 
 def fresh_pages(count: int) -> tuple[mmap.mmap, int]:

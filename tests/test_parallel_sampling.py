@@ -1,8 +1,8 @@
 """n > 1: the n sequences of a request share the prompt's KV blocks; the partial block is copied."""
 
 import pytest
+from tiny_models import kv_bytes_per_block, random_prompts
 
-from tiny_models import random_prompts, kv_bytes_per_block
 from pagedllm import LLM, InvalidRequestError, SamplingParams
 
 

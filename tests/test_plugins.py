@@ -6,8 +6,8 @@ import textwrap
 import pytest
 
 from pagedllm.errors import BackendNotFoundError
-from pagedllm.plugins.manager import get_backend_class, list_backends, register_plugin, unregister_plugin
 from pagedllm.plugins import hookimpl
+from pagedllm.plugins.manager import get_backend_class, list_backends, register_plugin, unregister_plugin
 
 
 def test_builtin_cpu_backend_comes_from_the_entry_point():

@@ -1,5 +1,5 @@
-from pagedllm.kv_cache_manager import KVCacheManager
-from pagedllm.prefix_cache import PrefixCache, chain_hashes
+from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.kv.prefix_cache import PrefixCache, chain_hashes
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 

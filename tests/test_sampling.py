@@ -3,7 +3,7 @@ import torch
 
 from pagedllm.errors import InvalidRequestError
 from pagedllm.request import Request
-from pagedllm.sampler import Sampler
+from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 
 

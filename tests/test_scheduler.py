@@ -1,9 +1,9 @@
 """The scheduler as a data structure: no model, tokens "computed" by bookkeeping only."""
 
-from pagedllm.kv_cache_manager import KVCacheManager
+from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.sched.scheduler import Scheduler
 
 BS = 4
 

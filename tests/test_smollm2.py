@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_source import resolve_model
+from pagedllm.models.source import resolve_model
 
 pytestmark = pytest.mark.cpu_isa  # the kernels' build follows the CPU's ISA level
 PROMPTS = [

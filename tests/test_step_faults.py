@@ -5,15 +5,15 @@ requests. Too many failed steps in a row kill it. On a tiny Llama, through the t
 
 from __future__ import annotations
 
-import pytest
-
 import faulty_backend
+import pytest
+from tiny_models import build_model
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import BackendDeadError
 from pagedllm.plugins.manager import register_plugin, unregister_plugin
-from tiny_models import build_model
 
 PROMPTS = {"a": [1, 5, 9, 13, 17], "b": [2, 4, 6, 8], "c": [3, 7, 11, 15, 19, 23], "d": [30, 31, 32]}
 LONG_PROMPT = list(range(10, 40))  # 3 full blocks of 8 and a partial one

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C++ kernels could not be built here")

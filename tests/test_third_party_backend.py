@@ -15,6 +15,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.plugins.manager import get_backend_class, list_backends, register_plugin, unregister_plugin
+from pagedllm.utils import cdiv
 
 PACKAGE = Path(__file__).resolve().parent.parent / "examples" / "third_party_backend"
 DISTRIBUTION = "pagedllm-recording"
@@ -70,7 +71,7 @@ def test_recording_wraps_the_cpu_backend_and_writes_every_step(recording, tiny_l
     for e in step_events:
         assert sum(e["query_lens"]) == e["num_tokens"] <= 32 and e["seconds"] > 0
         assert [a + q for a, q in zip(e["num_computed"], e["query_lens"])] == e["seq_lens"]
-        assert [len(row) for row in e["block_table"]] == [-(-n // 8) for n in e["seq_lens"]]
+        assert [len(row) for row in e["block_table"]] == [cdiv(n, 8) for n in e["seq_lens"]]
         assert e["logits_shape"][0] == len(e["logits_indices"])
     # n=2 forks the second prompt after its prefill: its partial last block is copied for the sibling.
     copies = [e for e in events if e["event"] == "copy_blocks"]

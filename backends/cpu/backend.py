@@ -8,20 +8,26 @@ import numpy as np
 import torch
 
 from pagedllm.backend import Backend, ModelInfo
+from pagedllm.backends.common import cpu_features
+from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
+from pagedllm.backends.cpu.runner.allocator import keep_freed_memory
+from pagedllm.backends.cpu.runner.ipex import ipex_status
+from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
+from pagedllm.backends.cpu.runner.model_runner import ModelRunner
+from pagedllm.backends.cpu.runner.threads import ThreadBinder
+from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelExecutor
+from pagedllm.backends.cpu.tensor_parallel.launch import (
+    DISTRIBUTED_INIT_METHOD,
+    NNODES,
+    NODE_COMMAND,
+    NODE_RANK,
+    free_local_init_method,
+    local_ranks,
+)
 from pagedllm.batch import Batch
 from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
-from pagedllm.model_source import ModelSource
-from pagedllm.backends import cpu_features
-from pagedllm.backends.cpu.ipex import ipex_status
-from pagedllm.backends.cpu.kernels import attention_mode, load_kernels
-from pagedllm.backends.cpu.model_runner import ModelRunner
-from pagedllm.backends.cpu.allocator import keep_freed_memory
-from pagedllm.backends.cpu.threads import ThreadBinder
-from pagedllm.backends.cpu.tp_executor import TensorParallelExecutor
-from pagedllm.backends.cpu.tp_launch import (DISTRIBUTED_INIT_METHOD, NNODES, NODE_COMMAND, NODE_RANK,
-                                             free_local_init_method, local_ranks)
-from pagedllm.backends.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
+from pagedllm.models.source import ModelSource
 
 logger = logging.getLogger("pagedllm.cpu")
 # The attention kernels hold a block's softmax weights on the stack (csrc/paged_attention.cpp, block_accumulate).

@@ -14,14 +14,14 @@ import time
 import numpy as np
 
 from pagedllm.backend import Backend, ModelInfo
-from pagedllm.backends import cpu_features
-from pagedllm.backends.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND
+from pagedllm.backends.common import cpu_features
+from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND
+from pagedllm.backends.common.memory import tcmalloc_loaded
+from pagedllm.backends.openvino.precision import Precision, choose_precision, cpu_capabilities
 from pagedllm.batch import Batch
 from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
-from pagedllm.model_source import ModelSource
-from pagedllm.memory import tcmalloc_loaded
-from pagedllm.backends.openvino.precision import Precision, choose_precision, cpu_capabilities
+from pagedllm.models.source import ModelSource
 
 logger = logging.getLogger("pagedllm.openvino")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.model_source import cache_dir
+from pagedllm.models.source import cache_dir
 
 logger = logging.getLogger("pagedllm.openvino")
 

@@ -12,7 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from pagedllm.memory import blocks_to_commit, commit
+from pagedllm.backends.common.memory import blocks_to_commit, commit
+from pagedllm.utils import cdiv
 
 CACHE_PREFIXES = ("key_cache.", "value_cache.")
 
@@ -87,7 +88,7 @@ def _cache_input(port) -> CacheInput:
     element_type = port.get_element_type()
     # Bit width, not numpy itemsize: u4 packs two per byte, and bf16 has no numpy dtype.
     bits = int(np.prod(block_shape)) * element_type.bitwidth
-    return CacheInput(port.get_any_name(), block_shape, element_type, -(-bits // 8))
+    return CacheInput(port.get_any_name(), block_shape, element_type, cdiv(bits, 8))
 
 
 def _aligned_zeros(rows: int, row_bytes: int, alignment: int = 64) -> np.ndarray:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedllm.backends.common import cpu_features
 from pagedllm.errors import ConfigError
-from pagedllm.backends import cpu_features
 
 # --kv-cache-dtype spelling -> OpenVINO element type name
 _KV_TYPES = {"u8": "u8", "bf16": "bf16", "fp16": "f16", "fp32": "f32"}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedllm.batch import Batch
 from pagedllm.backends.openvino.logits_gather import SAMPLED_INDICES
+from pagedllm.batch import Batch
 
 
 class InvalidBlockTableError(ValueError):

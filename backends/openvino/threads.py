@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.backends.cpu_binding import Topology, plan_threads
+from pagedllm.backends.common.cpu_binding import Topology, plan_threads
 from pagedllm.errors import ConfigError
 
 logger = logging.getLogger("pagedllm.openvino")

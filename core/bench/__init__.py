@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None, prog: str = "pagedllm") -> int:
     """``pagedllm bench ...`` on its own: ``argv`` starts after ``bench``; known errors print one line, exit 2."""
     from pagedllm.bench.serving import ServerError
     from pagedllm.bench.workload import WorkloadError
-    from pagedllm.errors import (BackendNotFoundError, ConfigError, InvalidRequestError, ModelNotFoundError,
-                                 UnsupportedModelError)
+    from pagedllm.errors import (
+        BackendNotFoundError,
+        ConfigError,
+        InvalidRequestError,
+        ModelNotFoundError,
+        UnsupportedModelError,
+    )
 
     parser = argparse.ArgumentParser(prog=prog)
     add_bench_parser(parser.add_subparsers(dest="command", required=True))

@@ -83,7 +83,7 @@ def run_serving(args: argparse.Namespace) -> dict:
 def _workload(args: argparse.Namespace, model: str) -> Workload:
     if args.workload:
         return Workload.load(args.workload)
-    from pagedllm.model_source import load_tokenizer, resolve_model
+    from pagedllm.models.source import load_tokenizer, resolve_model
 
     name = args.tokenizer or (model if os.path.exists(model) else None)
     source = resolve_model(name)

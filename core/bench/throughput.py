@@ -14,11 +14,12 @@ from pathlib import Path
 
 from pagedllm.bench.report import print_report, write_json
 from pagedllm.bench.workload import Workload, WorkloadError, add_workload_args, workload_from_args
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import add_cli_args, from_cli_args
 
 # An array of at least 1000 people: always valid JSON so far, never complete within a benchmark's output length.
 BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
     "required": ["name", "age", "city"]}}
 
 
@@ -30,7 +31,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="SCHEMA",
                         help="a JSON schema file or text for --structured-fraction (default: an array of at least "
                              "1000 {name, age, city} objects, which no request finishes)")
-    EngineArgs.add_cli_args(parser)
+    add_cli_args(parser)
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
@@ -38,7 +39,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
 
     workload = Workload.load(args.workload) if args.workload else None  # a bad file fails before the start-up
     schema = _structured_schema(args)
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = from_cli_args(args)
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
     startup = time.perf_counter() - start

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import add_cli_args, from_cli_args
 
 
 def _add_generate(sub) -> None:
@@ -25,7 +25,7 @@ def _add_generate(sub) -> None:
                         "(default: on when the model has one)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the scheduler and the model in an engine-core process of their own, as serve does")
-    EngineArgs.add_cli_args(p)
+    add_cli_args(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -41,7 +41,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**vars(EngineArgs.from_cli_args(args)), engine_process=args.engine_process)
+    llm = LLM(**vars(from_cli_args(args)), engine_process=args.engine_process)
     chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))
     if chat:
         inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -105,7 +105,7 @@ def _run_backends(args: argparse.Namespace) -> int:
     from pagedllm.plugins.manager import list_backends
 
     if args.help_settings:
-        from pagedllm.config import settings_table
+        from pagedllm.engine.arg_utils import settings_table
 
         print("\n".join(settings_table()))
         return 0
@@ -145,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from pagedllm.bench.serving import ServerError
     from pagedllm.bench.workload import WorkloadError
-    from pagedllm.errors import (BackendNotFoundError, ConfigError, InvalidRequestError, ModelNotFoundError,
-                                 UnsupportedModelError)
+    from pagedllm.errors import (
+        BackendNotFoundError,
+        ConfigError,
+        InvalidRequestError,
+        ModelNotFoundError,
+        UnsupportedModelError,
+    )
 
     try:
         return args.func(args)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from tiny_models import hf_greedy, random_prompts
+
 from pagedllm import Batch, SamplingParams
+from pagedllm.utils import cdiv
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -43,7 +44,7 @@ def one_sequence_batch(token_ids: list[int], logits_indices, block_ids=None, blo
     """A prefill of ``token_ids`` as one sequence, in blocks 0, 1, ... unless ``block_ids`` are given."""
     n = len(token_ids)
     if block_ids is None:
-        block_ids = list(range(-(-n // block_size)))
+        block_ids = list(range(cdiv(n, block_size)))
     positions = np.arange(n, dtype=np.int64)
     blocks = np.asarray(block_ids, dtype=np.int64)[np.minimum(positions // block_size, len(block_ids) - 1)]
     return Batch(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from equality_support import one_sequence_batch, teacher_forced_top1  # noqa: F401  (shared with the cpu tests)
+
 from pagedllm.backends.openvino.backend import OpenVINOBackend
 
 AVAILABLE, WHY_NOT = OpenVINOBackend.is_available()
@@ -12,10 +12,8 @@ requires_openvino = pytest.mark.skipif(not AVAILABLE, reason=f"openvino backend 
 
 
 @pytest.fixture(scope="module")
-def tiny_export_cache(tmp_path_factory):
-    """PAGEDLLM_CACHE_DIR for the tiny models' exports: one folder per session, shared by the test modules
-    (the tiny models live in per-session folders, so their exports cannot outlive the session anyway)."""
-    path = tmp_path_factory.getbasetemp() / "openvino-export-cache"
+def tiny_export_cache(openvino_export_dir):
+    """PAGEDLLM_CACHE_DIR set to the session's export folder for a whole module."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE_DIR", str(path))
-        yield path
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(openvino_export_dir))
+        yield openvino_export_dir

@@ -8,16 +8,16 @@ import sys
 
 import pytest
 import torch
+from tiny_models import kv_bytes_per_block
 from transformers import AutoConfig
 
-from tiny_models import kv_bytes_per_block
 from pagedllm import LLM, ConfigError, SamplingParams
+from pagedllm.backends.common import cpu_features
+from pagedllm.backends.common.cpu_binding import process_cpus
+from pagedllm.backends.common.memory import tcmalloc_loaded
 from pagedllm.backends.cpu.backend import choose_dtype, choose_kv_cache
-from pagedllm.backends import cpu_features
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.allocator import tcmalloc_status
-from pagedllm.backends.cpu_binding import process_cpus
-from pagedllm.memory import tcmalloc_loaded
+from pagedllm.backends.cpu.runner.allocator import tcmalloc_status
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 
 def test_dtype_choice():
@@ -53,7 +53,7 @@ def test_tcmalloc_status_says_what_to_do():
 
 _ALLOCATIONS = """
 import ctypes, json, resource, sys, torch
-from pagedllm.backends.cpu.allocator import keep_freed_memory
+from pagedllm.backends.cpu.runner.allocator import keep_freed_memory
 if sys.argv[1] == "tuned":
     print(keep_freed_memory(), file=sys.stderr)
 libc = ctypes.CDLL(None)
@@ -133,8 +133,8 @@ def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, kv_
     """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
     from test_memory import all_resident, skip_unless_commit_works
 
-    from pagedllm import memory
-    from pagedllm.backends.cpu.kv_cache import block_tensors
+    from pagedllm.backends.common import memory
+    from pagedllm.backends.cpu.layers.kv_cache import block_tensors
 
     skip_unless_commit_works()
 

@@ -5,11 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.backends.cpu.fused_layers import use_fused_decoder_layers
-from pagedllm.backends.cpu.kernels import load_kernels
+from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 kernels, _ = load_kernels("auto")
-pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"),
+              pytest.mark.cpu_isa]
 
 
 @pytest.mark.parametrize("arch, expected", [("llama", True), ("mistral", False), ("qwen2", False), ("qwen3", False),
@@ -42,7 +43,7 @@ def test_bf16_runs_with_either_residual_stream(tiny_llama, residual):
 
 
 def test_each_layer_leaves_its_mlp_output_to_the_next_fused_one(tiny_model_dirs):
-    from pagedllm.backends.cpu.fused_layers import _followed_by_fused
+    from pagedllm.backends.cpu.layers.fused_layers import _followed_by_fused
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
     layers = list(model.model.layers)

@@ -5,8 +5,9 @@ import sys
 import pytest
 import torch
 
-from pagedllm.backends.cpu import huge_pages
-from pagedllm.backends.cpu.huge_pages import HUGE_PAGE
+from pagedllm.backends.cpu.runner import huge_pages
+from pagedllm.backends.cpu.runner.huge_pages import HUGE_PAGE
+from pagedllm.utils import cdiv
 
 
 def test_regions_cover_every_byte_of_the_spans():
@@ -47,7 +48,7 @@ def test_collapse_moves_memory_onto_a_huge_page_and_keeps_its_bytes():
     data = torch.frombuffer(region, dtype=torch.uint8)
     data.copy_(torch.arange(data.numel()) % 251)
     base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    start = -(-base // HUGE_PAGE) * HUGE_PAGE
+    start = cdiv(base, HUGE_PAGE) * HUGE_PAGE
     assert _anon_huge_kib(start) == 0
     done, reason = huge_pages.collapse([start])
     if done == 0 and reason is not None and reason.startswith(("EINVAL", "EAGAIN")):

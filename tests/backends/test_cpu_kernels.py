@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from pagedllm.backends.cpu.attention import shared_prefix_blocks
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu_features import kernel_level, rank
-from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
+from pagedllm.backends.common.cpu_features import kernel_level, rank
+from pagedllm.backends.cpu.layers.attention import shared_prefix_blocks
+from pagedllm.backends.cpu.layers.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
+from pagedllm.backends.cpu.runner.kernels import load_kernels
+from pagedllm.utils import cdiv
 
 pytestmark = [pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C++ kernels could not be built here"),
               pytest.mark.cpu_isa]
@@ -44,12 +45,12 @@ def make_caches(cache: str, num_blocks: int, dim: int = D):
 
 def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tensor, int]:
     """Random keys/values for sequences of these lengths in scattered blocks; (block table, its width)."""
-    width = max(-(-n // BS) for n in lengths)
+    width = max(cdiv(n, BS) for n in lengths)
     perm = torch.randperm(num_blocks)
     table = torch.zeros(len(lengths), width, dtype=torch.long)
     used = 0
     for b, n in enumerate(lengths):
-        nb = -(-n // BS)
+        nb = cdiv(n, BS)
         table[b, :nb] = perm[used:used + nb]
         used += nb
         slots = torch.arange(n)
@@ -89,7 +90,7 @@ def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, kernels):
     torch.manual_seed(1)
     lens = [1, 16, 17, 33]
     num_blocks = 16
-    width = max(-(-n // BS) for n in lens)
+    width = max(cdiv(n, BS) for n in lens)
     table = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
     positions = torch.tensor(lens) - 1
     slots = table[torch.arange(len(lens)), positions // BS] * BS + positions % BS
@@ -184,7 +185,7 @@ def test_prefill_chunks_behind_a_shared_cached_prefix(dtype, cache, kernels):
 def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_blocks: int) -> torch.Tensor:
     """Sequences that begin with the same ``prefix_blocks`` blocks (as the prefix cache shares them), then blocks
     of their own, random contents; returns the block table."""
-    width = max(-(-n // BS) for n in lengths)
+    width = max(cdiv(n, BS) for n in lengths)
     perm = torch.randperm(num_blocks)
     table = torch.zeros(len(lengths), width, dtype=torch.long)
     table[:, :prefix_blocks] = perm[:prefix_blocks]
@@ -193,7 +194,7 @@ def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_block
     for c in caches:
         c.write(torch.randn(len(prefix), HKV, D), slot_rows(table[0, prefix // BS] * BS + prefix % BS, HKV, BS))
     for b, n in enumerate(lengths):
-        own = -(-n // BS) - prefix_blocks
+        own = cdiv(n, BS) - prefix_blocks
         table[b, prefix_blocks:prefix_blocks + own] = perm[used:used + own]
         used += own
         slots = torch.arange(prefix_blocks * BS, n)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from pagedllm.backends.cpu.kv_cache import BlockCache, QuantizedBlockCache, lazy_zeros, slot_rows
+from pagedllm.backends.cpu.layers.kv_cache import BlockCache, QuantizedBlockCache, lazy_zeros, slot_rows
 
 
 def _rss_bytes() -> int:

@@ -4,10 +4,17 @@ rounding and replace the plain weights."""
 import pytest
 import torch
 
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.packed_linear import (MAX_BRGEMM_IN_FEATURES, SWIGLU_GATE_UP, BrgemmLinear,
-                                                 BrgemmSiluAndMul, PackedLinear, can_pack, float32_logits,
-                                                 use_packed_linears)
+from pagedllm.backends.cpu.layers.packed_linear import (
+    MAX_BRGEMM_IN_FEATURES,
+    SWIGLU_GATE_UP,
+    BrgemmLinear,
+    BrgemmSiluAndMul,
+    PackedLinear,
+    can_pack,
+    float32_logits,
+    use_packed_linears,
+)
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 kernels, _ = load_kernels("auto")
 has_brgemm = kernels is not None and kernels.linear_bf16_available()

@@ -9,8 +9,8 @@ measurements on both kinds of CPU, recorded in docs/precision.md.
 
 import numpy as np
 import pytest
-
 from equality_support import teacher_forced_top1
+
 from pagedllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_isa]  # bf16 rounding follows the ISA (AVX2, AVX512_BF16, AMX)

@@ -6,11 +6,12 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.rms_norm import use_fused_rms_norms
+from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 kernels, _ = load_kernels("auto")
-pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"),
+              pytest.mark.cpu_isa]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
@@ -59,7 +60,8 @@ def test_add_rms_norm_adds_in_place_then_norms(stream_dtype, dtype, tol, dim):
     residual, h = (torch.randn(4, dim) * 3).to(stream_dtype), torch.randn(4, dim).to(dtype)
     expected_stream = (residual.float() + h.float()).to(stream_dtype)  # torch's add in the stream's dtype
     expected = norm(expected_stream.to(dtype)) if stream_dtype == dtype else \
-        (norm.weight.float() * (expected_stream * torch.rsqrt(expected_stream.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dtype)
+        (norm.weight.float()
+         * (expected_stream * torch.rsqrt(expected_stream.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dtype)
     got = kernels.add_rms_norm(h, residual, norm.weight, 1e-5)
     assert torch.equal(residual, expected_stream) and got.dtype == dtype
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)

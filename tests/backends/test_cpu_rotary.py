@@ -9,12 +9,13 @@ from transformers.models.granite.modeling_granite import GraniteAttention, Grani
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2RotaryEmbedding
 
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.packed_linear import use_packed_linears
-from pagedllm.backends.cpu.rotary import use_fused_rotary
+from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
+from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 kernels, _ = load_kernels("auto")
-pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"), pytest.mark.cpu_isa]
+pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"),
+              pytest.mark.cpu_isa]
 
 
 def _config(cls, head_dim=16, heads=4, kv_heads=2, **extra):

@@ -8,9 +8,9 @@ from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
-from pagedllm.backends.cpu.kernels import load_kernels
-from pagedllm.backends.cpu.packed_linear import use_packed_linears
-from pagedllm.backends.cpu.swiglu import use_fused_swiglu
+from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
+from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
+from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 kernels, _ = load_kernels("auto")
 pytestmark = [pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here"),

@@ -1,7 +1,6 @@
 """Tensor parallelism on the cpu backend: the ranks' greedy output equals one process's and transformers', token
 for token in float32; two "nodes" over 127.0.0.1; a killed rank fails the engine fast, naming it; the refusals."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,12 +9,13 @@ import threading
 import time
 
 import pytest
-
 from equality_support import GREEDY, build_references, token_ids
 from tiny_models import kv_bytes_per_block
+
 from pagedllm import LLM, SamplingParams
-from pagedllm.backends.cpu.tp_executor import TensorParallelError
-from pagedllm.backends.cpu.tp_launch import free_local_init_method
+from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelError
+from pagedllm.backends.cpu.tensor_parallel.launch import free_local_init_method
+from pagedllm.engine.arg_utils import from_cli_args
 from pagedllm.errors import ConfigError
 
 ARCHS = ["llama", "qwen2"]
@@ -72,8 +72,8 @@ def test_two_nodes_over_loopback(tiny_model_dirs, references):
     prompts, expected = references["llama"]["plain"]
     init = free_local_init_method()
     node = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.backends.cpu.tp_node", "-tp", "2", "--nnodes", "2", "--node-rank", "1",
-         "--distributed-init-method", init], env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+        [sys.executable, "-m", "pagedllm.backends.cpu.tensor_parallel.node", "-tp", "2", "--nnodes", "2",
+         "--node-rank", "1", "--distributed-init-method", init], env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
     try:
         llm = make_llm(tiny_model_dirs["llama"], tensor_parallel_size=2, nnodes=2, node_rank=0,
                        distributed_init_method=init, cpu_omp_threads_bind="0")
@@ -120,7 +120,7 @@ def test_a_killed_rank_fails_the_engine_naming_it(tiny_llama):
     (dict(tensor_parallel_size=len(os.sched_getaffinity(0)) + 2), "need a physical core each"),
     (dict(tensor_parallel_size=2, nnodes=2), "needs --distributed-init-method"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, distributed_init_method="tcp://127.0.0.1:1"),
-     "python -m pagedllm.backends.cpu.tp_node"),
+     "python -m pagedllm.backends.cpu.tensor_parallel.node"),
 ])
 def test_refusals_say_why(tiny_llama, settings, message):
     with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
@@ -129,7 +129,7 @@ def test_refusals_say_why(tiny_llama, settings, message):
 
 def test_the_kv_space_is_checked_for_every_rank_on_this_machine(tiny_llama, monkeypatch):
     """The space is per rank, as in vLLM: two local ranks hold two caches, which must fit together."""
-    monkeypatch.setattr("pagedllm.engine.available_memory_bytes", lambda: 2**30)  # 0.9 GiB usable
+    monkeypatch.setattr("pagedllm.engine.llm_engine.available_memory_bytes", lambda: 2**30)  # 0.9 GiB usable
     make_llm(tiny_llama, kv_cache_space=0.6).shutdown()  # one cache of 0.6 GiB fits
     with pytest.raises(ConfigError, match=r"more than the 0\.45 GiB of memory available for each of the 2 "
                                           r"tensor-parallel ranks on this machine"):
@@ -137,26 +137,26 @@ def test_the_kv_space_is_checked_for_every_rank_on_this_machine(tiny_llama, monk
 
 
 def test_the_node_command_refuses_node_0():
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.backends.cpu.tp_node", "-tp", "2", "--nnodes", "2",
-                           "--node-rank", "0", "--distributed-init-method", "tcp://127.0.0.1:1"],
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.backends.cpu.tensor_parallel.node", "-tp", "2",
+                           "--nnodes", "2", "--node-rank", "0", "--distributed-init-method", "tcp://127.0.0.1:1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "node 0 runs the engine" in proc.stderr
 
 
 def test_cli_flag_and_env_var(monkeypatch):
-    from pagedllm.config import EngineArgs, resolve
     from pagedllm.backends.cpu.backend import CPUBackend
+    from pagedllm.config import EngineArgs, resolve
     from pagedllm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["generate", "hi", "-tp", "2"])
-    assert EngineArgs.from_cli_args(args).backend_options["tensor_parallel_size"] == 2
+    assert from_cli_args(args).backend_options["tensor_parallel_size"] == 2
     monkeypatch.setenv("PAGEDLLM_TENSOR_PARALLEL_SIZE", "4")
     assert resolve(EngineArgs(), backend_settings=CPUBackend.settings).backend_options["tensor_parallel_size"] == 4
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from pagedllm.model_source import resolve_model
+    from pagedllm.models.source import resolve_model
 
     return resolve_model(None)
 

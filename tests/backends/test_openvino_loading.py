@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-
-from tiny_models import random_prompts
 from openvino_support import one_sequence_batch, requires_openvino, tiny_export_cache  # noqa: F401
+from tiny_models import random_prompts
+
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.backends.openvino import export_cache
 from pagedllm.backends.openvino.step_inputs import InvalidBlockTableError
-from pagedllm.model_source import cache_dir
+from pagedllm.models.source import cache_dir
 
 pytestmark = [requires_openvino, pytest.mark.usefixtures("tiny_export_cache")]
 
@@ -124,6 +124,7 @@ def test_bad_settings_are_refused(tiny_llama, kwargs, message):
 
 def test_tensor_parallel_maps_to_the_plugins_distribution_over_numa_nodes(tmp_path):
     from test_cpu_binding import fake_sysfs
+
     from pagedllm.backends.openvino.threads import distribution_properties
 
     supported = ["MODEL_DISTRIBUTION_POLICY"]
@@ -194,7 +195,7 @@ def test_the_first_kv_blocks_are_in_memory_before_the_first_step(tiny_llama, mon
     """The blocks the allocator hands out first (the lowest ids) are committed at start-up, up to a budget."""
     from test_memory import all_resident, skip_unless_commit_works
 
-    from pagedllm import memory
+    from pagedllm.backends.common import memory
 
     skip_unless_commit_works()
 

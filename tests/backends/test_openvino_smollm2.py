@@ -4,10 +4,10 @@ u8 KV cache and NNCF int8 weights agree with float32 on most tokens; u8 holds ~1
 import numpy as np
 import pytest
 import torch
-
 from openvino_support import requires_openvino, teacher_forced_top1
+
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_source import resolve_model
+from pagedllm.models.source import resolve_model
 
 pytestmark = [requires_openvino, pytest.mark.slow, pytest.mark.cpu_isa]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from server_process import ServerProcess
 from tiny_models import build_model
 

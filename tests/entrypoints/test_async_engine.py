@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pagedllm import LLM, EngineArgs, InvalidRequestError, SamplingParams
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, StepLatencies
+from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError, StepLatencies
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = ["Paris is the capital of", "The quick brown fox", "A paged KV cache"]

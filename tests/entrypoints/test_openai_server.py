@@ -13,10 +13,10 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import ServerProcess, parse_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagedllm
-from server_process import ServerProcess, parse_metrics
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.openai.serving import sse
 

@@ -11,7 +11,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-
 from server_process import ServerProcess
 
 EXAMPLES = int(os.environ.get("PAGEDLLM_SCHEMATHESIS_EXAMPLES", "20"))  # per operation and mode

@@ -3,7 +3,7 @@
 import openai
 import pytest
 
-from pagedllm.model_source import DEFAULT_MODEL_NAME
+from pagedllm.models.source import DEFAULT_MODEL_NAME
 
 
 @pytest.mark.slow

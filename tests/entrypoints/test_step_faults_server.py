@@ -5,11 +5,10 @@ PYTHONPATH registers it in both the server and its engine-core process): a faile
 
 from __future__ import annotations
 
+import faulty_backend
 import httpx
 import openai
 import pytest
-
-import faulty_backend
 
 IGNORE_EOS = {"ignore_eos": True}
 MODES = {"engine-process": [], "engine-thread": ["--no-engine-process"]}

@@ -11,9 +11,9 @@ import signal
 import jsonschema
 import openai
 import pytest
-
 from server_process import ServerProcess
-from pagedllm.model_source import DEFAULT_MODEL_NAME as MODEL
+
+from pagedllm.models.source import DEFAULT_MODEL_NAME as MODEL
 
 pytestmark = pytest.mark.slow
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -21,7 +21,7 @@ def rank_pid(root: int, rank: int) -> int:
                 continue
             parents[int(entry.name)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
     for pid, (_, cmdline) in parents.items():
-        if b"pagedllm.backends.cpu.tp_worker" in cmdline and json.loads(cmdline[-2])["rank"] == rank:
+        if b"pagedllm.backends.cpu.tensor_parallel.worker" in cmdline and json.loads(cmdline[-2])["rank"] == rank:
             ancestor = pid
             while ancestor in parents and ancestor != root:
                 ancestor = parents[ancestor][0]

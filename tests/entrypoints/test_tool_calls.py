@@ -10,7 +10,7 @@ import pytest
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.tool_calls import ToolCalling
-from pagedllm.structured_output import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},

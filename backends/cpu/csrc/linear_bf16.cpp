@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "utils.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -17,6 +18,8 @@
 #else
 #define PAGEDLLM_LINEAR_BF16 0
 #endif
+
+using pagedllm::cdiv;
 
 namespace {
 
@@ -34,7 +37,7 @@ bool linear_bf16_available() { return PAGEDLLM_LINEAR_BF16; }
 // columns, the last block padded with zero columns.
 at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a 2-d bf16 weight is required");
-  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kColumns - 1) / kColumns;
+  const int64_t n = weight.size(0), k = weight.size(1), blocks = cdiv(n, kColumns);
   TORCH_CHECK(k % 2 == 0, "the input width must be even (pairs of bf16), got ", k);
   const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::zeros({blocks, k / 2, kColumns, 2}, weight.options());
@@ -94,7 +97,7 @@ struct Operands {
 // holds two [kRowTile, kColumns] float32 tiles.
 template <typename Tile>
 void for_each_tile(int64_t blocks, int64_t m, const Tile& tile) {
-  const int64_t tiles = (m + kRowTile - 1) / kRowTile, units = blocks * tiles * 2;
+  const int64_t tiles = cdiv(m, kRowTile), units = blocks * tiles * 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float scratch[2 * kRowTile * kColumns];
     for (int64_t u = begin; u < end;) {
@@ -121,7 +124,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
                        int64_t out_features, bool float_output) {
 #if PAGEDLLM_LINEAR_BF16
   const int64_t blocks = packed.size(0), n = out_features;
-  TORCH_CHECK(blocks == (n + kColumns - 1) / kColumns, "packed weight does not hold ", n, " columns");
+  TORCH_CHECK(blocks == cdiv(n, kColumns), "packed weight does not hold ", n, " columns");
   const Operands op(x, packed, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
   const int64_t k = op.k, lda = op.lda;
@@ -157,7 +160,7 @@ at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packe
                                     const c10::optional<at::Tensor>& bias, int64_t width) {
 #if PAGEDLLM_LINEAR_BF16
   const int64_t pairs = packed.size(0) / 2;
-  TORCH_CHECK(packed.size(0) % 2 == 0 && pairs == (width + kColumns - 1) / kColumns,
+  TORCH_CHECK(packed.size(0) % 2 == 0 && pairs == cdiv(width, kColumns),
               "packed weight does not hold gate and up blocks of ", width, " columns");
   const Operands op(x, packed, bias, width);
   if (op.m == 0) return op.out;

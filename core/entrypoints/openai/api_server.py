@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm import __version__
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.config import EngineArgs
-from pagedllm.errors import QueueFullError
+from pagedllm.engine.arg_utils import from_cli_args
+from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.chat import create_chat_completion
 from pagedllm.entrypoints.openai.cli_args import ServerConfig
 from pagedllm.entrypoints.openai.completions import create_completion
@@ -25,10 +24,15 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handle
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagedllm.entrypoints.openai.serving import ServingContext
-from pagedllm.model_source import load_tokenizer
+from pagedllm.errors import QueueFullError
+from pagedllm.models.source import load_tokenizer
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -116,7 +120,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 once drained) or the engine dies (exit 1, for a supervisor to restart)."""
     config = ServerConfig.from_cli_args(args)  # checked before the model loads
-    engine = AsyncLLMEngine(EngineArgs.from_cli_args(args), engine_process=config.engine_process)
+    engine = AsyncLLMEngine(from_cli_args(args), engine_process=config.engine_process)
     died: list[EngineDeadError] = []
     try:
         app = build_app(engine, config)

@@ -7,12 +7,11 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.async_engine import OutputStream
-from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.engine.async_llm import OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.logprobs import chat_logprobs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving import (ServingContext, created, streaming_response, unless_disconnected,
-                                                 usage)
+from pagedllm.entrypoints.openai.serving import ServingContext, created, streaming_response, unless_disconnected, usage
 from pagedllm.entrypoints.openai.tool_calls import ToolCalling
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from pagedllm.config import EngineArgs
+from pagedllm.engine.arg_utils import add_cli_args
 from pagedllm.errors import ConfigError
 
 API_KEY_ENVS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
@@ -50,7 +50,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "model's tool calls are parsed out of its text by --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call>")
-    EngineArgs.add_cli_args(parser, include_model=False)
+    add_cli_args(parser, include_model=False)
 
 
 @dataclasses.dataclass

@@ -7,11 +7,17 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedllm.async_engine import OutputStream
+from pagedllm.engine.async_llm import OutputStream
 from pagedllm.entrypoints.openai.logprobs import completion_logprobs
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving import (ServingContext, created, prompt_index, streaming_response,
-                                                 unless_disconnected, usage)
+from pagedllm.entrypoints.openai.serving import (
+    ServingContext,
+    created,
+    prompt_index,
+    streaming_response,
+    unless_disconnected,
+    usage,
+)
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.async_llm import EngineDeadError, RequestFailedError
 from pagedllm.errors import InvalidRequestError
 
 logger = logging.getLogger("pagedllm.server")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pagedllm.async_engine import AsyncLLMEngine, StepLatencies
+from pagedllm.engine.async_llm import AsyncLLMEngine, StepLatencies
 
 LABELS = ("model_name", "engine")
 

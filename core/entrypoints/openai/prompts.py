@@ -11,6 +11,7 @@ import functools
 
 import jinja2
 
+from pagedllm.engine.input_processing import render_chat
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatMessage, ChatTemplateFields
 
@@ -56,14 +57,12 @@ class PromptBuilder:
                                    "with --chat-template FILE", param="messages")
         conversation = [_template_message(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=fields.add_generation_prompt,
-                continue_final_message=fields.continue_final_message, **(fields.chat_template_kwargs or {}))
+            return render_chat(self.tokenizer, conversation, self.chat_template, fields.add_generation_prompt,
+                               add_special_tokens, continue_final_message=fields.continue_final_message,
+                               **(fields.chat_template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise OpenAIError(400, f"the chat template could not render these messages: {exc}",
                               param="messages") from exc
-        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def max_tokens(self, prompt: dict, requested: int | None, param: str) -> int | None:
         """Refuse, as vLLM does, a request whose prompt plus max_tokens exceed max_model_len.

@@ -13,8 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.response_format import StructuredOutputFields
 from pagedllm.entrypoints.openai.tool_calls import ToolFields
-from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
-from pagedllm.structured_output import StructuredOutputsParams
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 # Fields a client may send with a value that asks for nothing: accepted and ignored.
 _NO_OP_VALUES: dict[str, list[Any]] = {

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.errors import InvalidRequestError
-from pagedllm.structured_output import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 

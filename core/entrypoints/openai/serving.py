@@ -14,12 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pagedllm.async_engine import AsyncLLMEngine, EngineDeadError, OutputStream, RequestFailedError
+from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError, OutputStream, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
 from pagedllm.errors import InvalidRequestError
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import PARAM as STRUCTURED_OUTPUTS_PARAM
+from pagedllm.sampling_params import STRUCTURED_OUTPUTS_PARAM, SamplingParams
 
 logger = logging.getLogger("pagedllm.server")
 

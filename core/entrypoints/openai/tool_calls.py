@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedllm.entrypoints.openai.cli_args import TOOL_CALL_PARSERS  # noqa: F401 (the parsers this module has)
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.structured_output import StructuredOutputsParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _REQUIRED_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')

@@ -1,0 +1,1 @@
+"""What both built-in backends use: CPU features (ISA levels), thread binding, and memory helpers."""

@@ -1,0 +1,59 @@
+"""The process's memory allocator: say which one is in use, and stop glibc's from handing freed memory back.
+
+A prefill step allocates and frees tensors of tens of MB by the hundred. glibc's malloc returns such blocks to the
+kernel (mmap above its threshold, trimming of the heap top), so the next step faults every page in again, and
+first-touch faults are dear in a VM. Keeping freed memory inside the process, as TCMalloc does, avoids that; the
+price is a resident size that stays at the step's high-water mark, which a serving process reaches anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import platform
+
+from pagedllm.backends.common.memory import tcmalloc_loaded
+
+_SEARCH = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks below it come from the heap and are reused
+TRIM_THRESHOLD = 1 << 30  # free memory at the heap top kept before any is returned
+
+
+def _installed() -> str | None:
+    for folder in _SEARCH:
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            matches = glob.glob(os.path.join(folder, name))
+            if matches:
+                return matches[0]
+    found = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    return found if found and os.path.isabs(found) else None
+
+
+def tcmalloc_status() -> str:
+    if tcmalloc_loaded():
+        return "TCMalloc is preloaded"
+    path = _installed()
+    if path:
+        return f"TCMalloc is installed but not preloaded; start with LD_PRELOAD={path} for faster allocation"
+    return ("TCMalloc not in use (optional: apt-get install libtcmalloc-minimal4, then "
+            "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4)")
+
+
+def keep_freed_memory() -> str:
+    """Tune glibc's malloc to keep freed blocks for reuse (once per process; TCMalloc needs nothing).
+    Returns what was done, for the log."""
+    if tcmalloc_loaded():
+        return "allocator: TCMalloc (preloaded)"
+    if platform.libc_ver()[0] != "glibc":
+        return f"allocator: the C library's ({tcmalloc_status()})"
+    libc = ctypes.CDLL(None)
+    if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        return f"allocator: glibc malloc, untuned (mallopt refused) ({tcmalloc_status()})"
+    return (f"allocator: glibc malloc keeping freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim "
+            f"threshold {TRIM_THRESHOLD >> 20} MiB); {tcmalloc_status()}")

@@ -1,0 +1,129 @@
+"""The worker: one model replica (or one tensor-parallel rank's shard of it) and its KV cache, executing batches.
+
+Tensor parallelism puts N of these, each in a worker process with a shard of the weights and the cache, where the
+backend otherwise has one (tensor_parallel.executor), without touching the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.backend import ModelInfo
+from pagedllm.backends.common.memory import blocks_to_commit
+from pagedllm.backends.cpu.layers import attention, kv_cache
+from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
+from pagedllm.backends.cpu.layers.packed_linear import float32_logits, use_packed_linears
+from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
+from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
+from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
+from pagedllm.backends.cpu.runner.architectures import check_supported
+from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
+from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
+from pagedllm.backends.cpu.runner.threads import ThreadBinder
+from pagedllm.batch import Batch
+
+logger = logging.getLogger("pagedllm.cpu")
+LINEAR_KINDS = {"brgemm": "bf16 through brgemm tiles",
+                "brgemm+silu": "SwiGLU gate/up through brgemm tiles with SiLU-and-multiply",
+                "oneDNN": "packed for oneDNN"}
+
+
+class ModelRunner:
+    """One model replica and its KV cache. It runs on the calling thread (the engine's), whose OpenMP team is
+    pinned to the plan's CPUs from its first step until the engine releases it (see threads.py for why not a
+    thread of its own)."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
+                 binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
+                 rank: Rank | None = None) -> None:
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.residual_dtype = residual_dtype or dtype
+        self.cache_kind = cache_kind  # "plain" or "u8"
+        self.cache_dtype = cache_dtype
+        self.binder = binder
+        self.kernels = kernels
+        self.rank = rank  # None: the whole model in this process
+        self.model = None
+        self.kv_caches: list[tuple] = []
+
+    def load(self) -> ModelInfo:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        model_type = check_supported(config)
+        if self.rank is not None:
+            check_shardable(config.get_text_config(), self.rank.world_size)
+        attention.register()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
+        self.model.eval()
+        if self.rank is not None:
+            shard_model(self.model, self.rank)
+        layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
+        if layers:
+            logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
+                        layers, str(self.residual_dtype).removeprefix("torch."))
+        packed = use_packed_linears(self.model, self.kernels)
+        head_in_float32 = float32_logits(self.model)
+        logger.info("linear layers: %s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
+                                                     if count) or "nn.Linear",
+                    "; the LM head returns float32 logits" if head_in_float32 else "")
+        fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
+                 use_fused_rotary(self.model, self.kernels))
+        logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
+                    *fused)
+        logger.info(weights_on_huge_pages(self.model))
+        text = self.model.config.get_text_config()
+        num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        # This process's cache holds its share of the KV heads.
+        self.local_kv_heads = self.num_kv_heads // (self.rank.world_size if self.rank else 1)
+        self.head_size = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        self.num_layers = text.num_hidden_layers
+        return ModelInfo(
+            architecture=model_type,
+            vocab_size=text.vocab_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            max_model_len=text.max_position_embeddings,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return kv_cache.bytes_per_block(self.cache_kind, self.num_layers, self.local_kv_heads, block_size,
+                                        self.head_size, self.cache_dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_caches = [kv_cache.make_layer_caches(self.cache_kind, num_blocks, self.local_kv_heads, block_size,
+                                                     self.head_size, self.cache_dtype)
+                          for _ in range(self.num_layers)]
+        start = time.perf_counter()
+        first = blocks_to_commit(num_blocks, self.kv_cache_bytes_per_block(block_size))
+        committed = first if kv_cache.commit_first_blocks(self.kv_caches, first) else 0
+        logger.info("KV cache: the first %d of %d blocks committed to memory in %.2f s", committed, num_blocks,
+                    time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> torch.Tensor:
+        self.binder.ensure_bound()
+        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels)
+        out = self.model(
+            input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
+            position_ids=torch.from_numpy(batch.positions).unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=torch.from_numpy(batch.logits_indices),
+            paged_metadata=metadata,
+        )
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for keys, values in self.kv_caches:
+            keys.copy_blocks(src, dst)
+            values.copy_blocks(src, dst)
+

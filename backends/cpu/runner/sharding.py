@@ -1,0 +1,148 @@
+"""Megatron-style sharding of a transformers Llama-family model for one tensor-parallel rank, in place.
+
+q, k, v and gate, up are split by output rows (whole heads, whole MLP columns); o_proj and down_proj by input
+columns, followed by a sum over the ranks (one all-reduce per attention block and one per MLP). The embedding and the
+LM head are split by vocabulary: each rank looks up or scores its slice, the embedding's rows are summed and the
+head's logits gathered on rank 0. Done before the layers are fused and packed, which then work on the shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pagedllm.errors import ConfigError
+from pagedllm.utils import cdiv
+
+# Model types whose decoder layers hold q_proj/k_proj/v_proj/o_proj and gate_proj/up_proj/down_proj.
+SHARDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    rank: int
+    world_size: int
+    group: object = None  # the torch.distributed group of the ranks (None: the default one)
+
+    def slice(self, total: int) -> tuple[int, int]:
+        """This rank's part of ``total`` items split evenly (the caller checked divisibility)."""
+        size = total // self.world_size
+        return self.rank * size, (self.rank + 1) * size
+
+
+def check_shardable(text_config, world_size: int) -> None:
+    """ConfigError when the model cannot be split over ``world_size`` ranks, saying why."""
+    model_type = text_config.model_type
+    if model_type not in SHARDABLE:
+        raise ConfigError(f"tensor parallelism supports {', '.join(sorted(SHARDABLE))}; this model is "
+                          f"{model_type!r}: run it with --tensor-parallel-size 1")
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads", heads), ("KV heads", kv_heads),
+                        ("MLP columns (intermediate_size)", text_config.intermediate_size)):
+        if count % world_size:
+            divisors = [d for d in range(1, count + 1) if count % d == 0 and d <= 64]
+            raise ConfigError(f"--tensor-parallel-size {world_size} does not divide the model's {count} {what}: "
+                              f"each rank needs a whole share; use one of {', '.join(map(str, divisors))}")
+
+
+class RowParallel(torch.nn.Module):
+    """A linear layer over this rank's input columns, summed over the ranks (bias added once, by rank 0)."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: Rank) -> None:
+        super().__init__()
+        start, end = rank.slice(linear.in_features)
+        self.linear = torch.nn.Linear(end - start, linear.out_features, bias=linear.bias is not None and rank.rank == 0,
+                                      dtype=linear.weight.dtype)
+        with torch.no_grad():
+            self.linear.weight.copy_(linear.weight[:, start:end])
+            if self.linear.bias is not None:
+                self.linear.bias.copy_(linear.bias)
+        self.group = rank.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def column_parallel(linear: torch.nn.Linear, rank: Rank) -> torch.nn.Linear:
+    """The rows of this rank's output features (its heads or MLP columns)."""
+    start, end = rank.slice(linear.out_features)
+    part = torch.nn.Linear(linear.in_features, end - start, bias=linear.bias is not None, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        part.weight.copy_(linear.weight[start:end])
+        if linear.bias is not None:
+            part.bias.copy_(linear.bias[start:end])
+    return part
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """This rank's rows of the embedding; tokens of other ranks' rows look up zeros, and the sum over the ranks is
+    the full lookup."""
+
+    def __init__(self, embedding: torch.nn.Embedding, start: int, end: int, rank: Rank) -> None:
+        super().__init__()
+        self.start, self.end, self.group = start, end, rank.group
+        self.weight = torch.nn.Parameter(embedding.weight.detach()[start:end].clone(), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelHead(torch.nn.Module):
+    """This rank's slice of the LM head; rank 0 gathers the slices into the full logits (the other ranks return
+    their own slice, which nobody reads). Slices are equal in size, the last one padded, as gather needs."""
+
+    def __init__(self, head: torch.nn.Linear, start: int, chunk: int, vocab: int, rank: Rank) -> None:
+        super().__init__()
+        end = min(start + chunk, vocab)
+        self.linear = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype)
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.weight[:end - start].copy_(head.weight[start:end])
+            if head.bias is not None:
+                self.linear.bias.zero_()
+                self.linear.bias[:end - start].copy_(head.bias[start:end])
+        self.vocab, self.rank = vocab, rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.linear(x).contiguous()
+        if self.rank.rank != 0:
+            dist.gather(local, None, dst=0, group=self.rank.group)
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.rank.world_size)]
+        dist.gather(local, parts, dst=0, group=self.rank.group)
+        return torch.cat(parts, dim=-1)[..., :self.vocab]
+
+
+def shard_model(model: torch.nn.Module, rank: Rank) -> None:
+    """Replace ``model``'s layers by this rank's shards (see the module docstring)."""
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, column_parallel(getattr(attn, name), rank))
+        attn.o_proj = RowParallel(attn.o_proj, rank)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, column_parallel(getattr(mlp, name), rank))
+        mlp.down_proj = RowParallel(mlp.down_proj, rank)
+    vocab = model.config.get_text_config().vocab_size
+    chunk = cdiv(vocab, rank.world_size)
+    start = rank.rank * chunk
+    embedding, head = decoder.embed_tokens, model.lm_head  # a tied head is the embedding's weight: read it first
+    model.lm_head = VocabParallelHead(head, start, chunk, vocab, rank)
+    decoder.embed_tokens = VocabParallelEmbedding(embedding, start, min(start + chunk, vocab), rank)
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights this rank holds (parameters and buffers such as packed weights)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

@@ -1,0 +1,95 @@
+"""The offline Python API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processing import PromptType, render_chat
+from pagedllm.engine.sync_client import make_engine_client
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine plus a loop that runs a batch of prompts to completion.
+
+    ``model`` is a Hugging Face folder, a GGUF file or an OpenVINO export (default: SmolLM2-135M-Instruct);
+    ``backend`` defaults to ``cpu`` (or PAGEDLLM_BACKEND); other keyword arguments are engine settings
+    (``dtype``, ``max_model_len``, ``enable_prefix_caching``, ``kv_cache_space``, ...). ``engine_process=True``
+    runs the scheduler and the model in an engine-core process of their own, as ``pagedllm serve`` does, and
+    detokenizes in this one.
+    """
+
+    def __init__(self, model: str | None = None, backend: str | None = None, engine_process: bool = False,
+                 **engine_args) -> None:
+        self.engine = make_engine_client(EngineArgs.from_kwargs(model=model, backend=backend, **engine_args),
+                                         engine_process)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A single string or token-id list is one prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv, chat_template, add_generation_prompt) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> dict:
+        return render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        latest: dict[str, dict[int, CompletionOutput]] = {i: {} for i in ids}  # per request: index -> newest
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    sequences = latest[output.request_id]
+                    for completion in output.outputs:
+                        sequences[completion.index] = completion
+                    if output.finished:
+                        output.outputs = [sequences[i] for i in sorted(sequences)]
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+            engine.release_thread()  # the caller's thread is the user's: not left pinned to one CPU
+        return [results[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

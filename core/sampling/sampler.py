@@ -1,0 +1,111 @@
+"""From logits of the sampled rows to one token each, for the whole batch at once.
+
+Order per row, as in vLLM: a structured-output grammar's token mask, logit bias and min_tokens, penalties,
+then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a seed draws from its own
+generator, so its tokens do not depend on what else is in the batch; the others share the engine's generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pagedllm.request import Request
+from pagedllm.sampling.structured_output import apply_bitmasks
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: None, or (logprob of the sampled token, top token ids, their logprobs).
+    logprobs: list[tuple[float, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+
+        apply_bitmasks(logits, requests)  # grammars first: what follows only reweighs the tokens they allow
+        self._adjust_logits(logits, requests)
+        # numpy's argmax: several times faster than torch's for a batch of rows, the same ties.
+        tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
+        token_list = tokens.tolist()
+
+        logprobs: list[tuple[float, list[int], list[float]] | None] = [None] * len(requests)
+        for j, i in enumerate(want_logprobs):
+            row = raw_logprobs[j]
+            k = requests[i].params.logprobs
+            top_vals, top_ids = row.topk(k) if k else (row[:0], tokens[:0])
+            logprobs[i] = (float(row[token_list[i]]), top_ids.tolist(), top_vals.tolist())
+        return SamplerOutput(token_list, logprobs)
+
+    # -- logits processing ---------------------------------------------------------------------
+    @staticmethod
+    def _adjust_logits(logits: torch.Tensor, requests: list[Request]) -> None:
+        vocab = logits.shape[-1]
+        for i, request in enumerate(requests):
+            params = request.params
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias.keys()))
+                logits[i, ids] += torch.tensor(list(params.logit_bias.values()))
+            if request.num_output_tokens < params.min_tokens and request.stop_ids:
+                logits[i, [t for t in request.stop_ids if t < vocab]] = float("-inf")
+            if params.needs_penalties:
+                _apply_penalties(logits[i], request, vocab)
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+        logits = logits / temps.unsqueeze(1)
+        if any(r.params.needs_truncation for r in requests):
+            logits = _truncate(logits, requests)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(requests) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        return torch.argmax(probs / noise, dim=-1)
+
+
+def _apply_penalties(row: torch.Tensor, request: Request, vocab: int) -> None:
+    params = request.params
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(request.all_token_ids, dtype=torch.long)] = True
+        penalty = params.repetition_penalty
+        row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and request.output_token_ids:
+        counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _truncate(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, each per row; truncated entries become -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([r.params.top_k or vocab for r in requests]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype).unsqueeze(1)
+    cumulative = probs.cumsum(dim=-1)
+    drop = (cumulative - probs) > top_p  # keep the smallest prefix whose mass reaches top_p
+    min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype).unsqueeze(1)
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,134 @@
+"""Structured outputs: a request's output held to a JSON schema, a regex, a list of choices or a grammar (xgrammar).
+
+- ``StructuredOutputsParams`` (in ``pagedllm.sampling_params``) says what to follow (vLLM's class of that name).
+- ``StructuredOutputManager`` (one per engine) compiles each distinct constraint once, with the engine's tokenizer,
+  and gives every sequence that follows it a ``GrammarState`` of its own (an xgrammar matcher).
+- ``apply_bitmasks`` runs in the sampler, before any other logits processing: the rows whose request has a grammar
+  get its next-token bitmask (illegal tokens to -inf); a batch without such rows costs one scan of the requests.
+- The engine calls ``GrammarState.accept`` with each sampled token and ends the request when it returns False (the
+  grammar is finished, or, which the mask rules out, the token broke it).
+
+Preemption recomputes the KV cache of a request but keeps its output tokens, so the matcher, which has seen exactly
+those tokens, needs nothing. xgrammar is imported on first use: an engine that never sees a constraint never loads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+from typing import Any
+
+import torch
+
+from pagedllm.errors import InvalidRequestError
+from pagedllm.sampling_params import STRUCTURED_OUTPUTS_PARAM, StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm.sampling.structured_output")
+
+# xgrammar prefixes its errors with "[time] /path/file.cc:line: "; the rest names the problem.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False when the sequence must end here (grammar finished or broken)."""
+        matcher = self.matcher
+        if not matcher.accept_token(token_id):
+            logger.warning("token %d does not continue the grammar (every allowed token was excluded by other "
+                           "sampling settings); the sequence ends here", token_id)
+            return False
+        return not matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles constraints (once per distinct one, least recently used dropped past ``cache_size``) and makes
+    matchers for them."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.cache_size = cache_size
+        self.num_compiled = 0
+        self._compiled: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+        self._compiler = None
+
+    def new_state(self, params: StructuredOutputsParams, stop_ids: frozenset[int]) -> GrammarState:
+        """A fresh matcher for a sequence; ``stop_ids`` (its EOS and stop token ids) end the grammar. Raises
+        ``InvalidRequestError`` naming the problem when the constraint does not compile."""
+        import xgrammar as xgr
+
+        compiled = self.compile(params)
+        if stop_ids:
+            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+        else:  # ignore_eos without stop tokens: the sequence ends where the grammar does
+            matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return GrammarState(matcher)
+
+    def compile(self, params: StructuredOutputsParams):
+        key = params.key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        compiled = self._compile(*key)
+        self.num_compiled += 1
+        self._compiled[key] = compiled
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, value: str):
+        compiler = self._get_compiler()
+        what = {"json": "the JSON schema", "regex": "the regex", "grammar": "the grammar", "choice": "the choices",
+                "json_object": "json_object"}[kind]
+        try:
+            if kind == "json":
+                # Compact JSON (", " and ": " between items, no free whitespace): a small model left free to
+                # add whitespace may emit nothing else until max_tokens.
+                return compiler.compile_json_schema(value, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(value)
+            if kind == "choice":
+                choices = json.loads(value)
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+            if "::=" in value:
+                return compiler.compile_grammar(value)
+            return compiler.compile_lark(value)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            detail = _XGRAMMAR_PREFIX.sub("", str(exc).strip()).strip()
+            raise InvalidRequestError(f"{what} is invalid: {detail}", param=STRUCTURED_OUTPUTS_PARAM) from None
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+
+def apply_bitmasks(logits: torch.Tensor, requests) -> None:
+    """Mask, in place, the tokens that the grammar of each constrained row does not allow next."""
+    rows = [i for i, request in enumerate(requests) if request.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = torch.empty(len(requests), (logits.shape[-1] + 31) // 32, dtype=torch.int32)
+    for i in rows:
+        requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

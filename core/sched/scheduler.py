@@ -1,0 +1,189 @@
+"""Continuous batching, first come first served, under a per-step token budget.
+
+Each step: running requests first (decodes, then unfinished prompt chunks), then waiting ones in
+arrival order. With chunked prefill a prompt that does not fit the remaining budget is cut; without
+it a prompt runs whole. When the block pool runs dry, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed later (its output does not change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    new_block_ids: list[int]  # appended to the request's block table this step
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    released_ids: list[str]  # requests whose blocks were freed since the last step (rows to drop)
+    num_batched_tokens: int
+    preempted: list[Request]
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self._released: list[str] = []
+        self.num_preemptions = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def fork(self, parent: Request, children: list[Request]) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Admit the other sequences of ``parent``'s group (n > 1) once its prompt is computed, sharing its KV
+        blocks. Returns the children now running, and the (source, destination) blocks the backend must copy
+        (each child's own copy of the partial last block); a child that finds no free block for that copy waits
+        at the front of the queue and recomputes its prompt."""
+        admitted: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.requests[child.request_id] = child
+            copy = self.kv.fork(parent, child)
+            if copy is None:
+                self.waiting.appendleft(child)
+                continue
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            admitted.append(child)
+            if copy[0] >= 0:
+                copies.append(copy)
+        parent.num_pending_forks = 0
+        return admitted, copies
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted) and free its blocks at once."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = status
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def take_released(self) -> list[str]:
+        """The requests whose blocks were freed since the last call (their batch rows are to be dropped)."""
+        released, self._released = self._released, []
+        return released
+
+    def _release(self, request: Request) -> None:
+        if request.block_ids:
+            self.kv.free(request)
+        self._released.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and not self.chunked_prefill:
+                continue
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                break
+            while True:
+                new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running[-1]
+                if victim.request_id in scheduled:  # already given a slot this step: take it back
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    self.kv.unpublish_step(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
+            budget -= num_new
+
+        # seats: running sequences, and the siblings that running n > 1 requests will fork once their prompt is in
+        seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if seats + 1 + request.num_pending_forks > self.max_num_seqs:
+                break
+            cached = self.kv.get_computed_blocks(request)
+            num_cached_tokens = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached_tokens
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = budget
+            new_blocks = self.kv.allocate_slots(request, num_new, cached)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            self.running.append(request)
+            seats += 1 + request.num_pending_forks
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
+            budget -= num_new
+
+        return SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            released_ids=self.take_released(),
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted=preempted,
+        )
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The step ran: its tokens are now in the cache."""
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
