@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib
 
 from pagedllm.logger import configure_logging
+from pagedllm.version import __version__ as __version__
 
 configure_logging()
-
-__version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -14,7 +14,7 @@ from pagedllm.engine.arg_utils import add_cli_args, from_cli_args, settings_tabl
 from pagedllm.engine.stats import EngineStats, StatsLogger
 from pagedllm.errors import ConfigError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SETTINGS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 
 def test_the_contract_imports_neither_the_engine_nor_transformers():
@@ -68,10 +68,11 @@ def test_the_cli_takes_the_backends_flags():
     assert "(openvino backend)" in parser.format_help() and "(cpu/openvino backend)" in parser.format_help()
 
 
-def test_the_readme_settings_table_is_the_generated_one():
-    """`pagedllm backends --help-settings` prints it; the README must carry it unchanged."""
+def test_the_settings_page_carries_the_generated_table():
+    """`pagedllm backends --help-settings` prints it; docs/settings.md must carry it unchanged."""
     table = "\n".join(settings_table())
-    assert table in README.read_text(), "paste the output of `pagedllm backends --help-settings` into README.md"
+    assert table in SETTINGS_PAGE.read_text(), \
+        "paste the output of `pagedllm backends --help-settings` into docs/settings.md"
     for flag in ("--kv-cache-space", "--quantize-weights", "--cpu-omp-threads-bind", "VLLM_CPU_OMP_THREADS_BIND"):
         assert flag in table
 

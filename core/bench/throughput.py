@@ -35,7 +35,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     workload = Workload.load(args.workload) if args.workload else None  # a bad file fails before the start-up
     schema = _structured_schema(args)

@@ -30,7 +30,8 @@ def _add_generate(sub) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     prompts = list(args.prompts)
     if prompts == ["-"]:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        from pagedllm import __version__
+        from pagedllm.version import __version__
 
         print(__version__)
         return 0

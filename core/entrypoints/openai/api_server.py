@@ -14,7 +14,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedllm import __version__
 from pagedllm.engine.arg_utils import from_cli_args
 from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.chat import create_chat_completion
@@ -33,6 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.errors import QueueFullError
 from pagedllm.models.source import load_tokenizer
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
