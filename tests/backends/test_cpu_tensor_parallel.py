@@ -129,7 +129,7 @@ def test_refusals_say_why(tiny_llama, settings, message):
 
 def test_the_kv_space_is_checked_for_every_rank_on_this_machine(tiny_llama, monkeypatch):
     """The space is per rank, as in vLLM: two local ranks hold two caches, which must fit together."""
-    monkeypatch.setattr("pagedllm.engine.llm_engine.available_memory_bytes", lambda: 2**30)  # 0.9 GiB usable
+    monkeypatch.setattr("pagedllm.kv.sizing.available_memory_bytes", lambda: 2**30)  # 0.9 GiB usable
     make_llm(tiny_llama, kv_cache_space=0.6).shutdown()  # one cache of 0.6 GiB fits
     with pytest.raises(ConfigError, match=r"more than the 0\.45 GiB of memory available for each of the 2 "
                                           r"tensor-parallel ranks on this machine"):
