@@ -37,3 +37,17 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture()
+def isolated_cache_dir(tmp_path) -> Path:
+    """A PAGEDLLM_CACHE_DIR of the test's own (converted models, exports), sharing the user's compiled kernels: a
+    kernel build takes a minute, and the kernels do not depend on what else is cached."""
+    from pagedllm.models.source import cache_dir
+
+    shared = cache_dir() / "kernels"
+    shared.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "cache"
+    path.mkdir()
+    (path / "kernels").symlink_to(shared, target_is_directory=True)
+    return path

@@ -15,18 +15,18 @@ from pagedllm.backends.openvino.backend import OpenVINOBackend
 OPENVINO, WHY_NOT = OpenVINOBackend.is_available()
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "benchmarks" / "compare_vllm.py"
-pytestmark = pytest.mark.cpu_isa  # the harness's --dtype auto follows the CPU
 
 
 @pytest.mark.skipif(not OPENVINO, reason=f"openvino backend unavailable: {WHY_NOT}")
 @pytest.mark.skipif(importlib.util.find_spec("openvino_genai") is None, reason="openvino-genai is not installed")
-def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tmp_path):
+def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tmp_path, isolated_cache_dir):
     engines = ["pagedllm", "pagedllm-openvino", "openvino-genai"]
     work = tmp_path / "work"
     proc = subprocess.run(
         [sys.executable, str(HARNESS), "--smoke", "--workloads", "W1", "--engines", ",".join(engines),
-         "--openvino-kv-cache", "fp32", "--dtype", "float32", "--model", str(tiny_llama), "--work-dir", str(work)],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")})
+         "--openvino-kv-cache", "fp32", "--dtype", "float32", "--model", str(tiny_llama), "--work-dir", str(work),
+         "--plot", str(tmp_path / "smoke.png")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PAGEDLLM_CACHE_DIR": str(isolated_cache_dir)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((work / "summary.json").read_text())
     assert summary["engines"] == engines and not summary["unavailable"] and not summary["failures"]
@@ -36,6 +36,9 @@ def test_smoke_run_pairs_the_openvino_backend_with_openvino_genai(tiny_llama, tm
     # Same IR, fp32 inference and KV cache, the same token ids: the same greedy tokens.
     assert "W1 first request, first 16 greedy tokens: pagedllm-ov and OV GenAI agree" in summary["notes"]
     assert "pagedllm-ov/OV GenAI" in proc.stdout
+    # --plot draws the run's own summary (test_compare_plot checks charts drawn from a summary file)
+    assert proc.stdout.strip().endswith(f"chart: {tmp_path / 'smoke.png'}")
+    assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
 def test_an_fp32_openvino_kv_cache_without_float32_inference_is_refused_before_any_run():

@@ -47,14 +47,3 @@ def test_an_earlier_summary_is_drawn_without_running_anything(tmp_path):
 def test_from_summary_needs_plot(tmp_path):
     proc = harness("--from-summary", str(tmp_path / "summary.json"), timeout=120)
     assert proc.returncode == 2 and "--from-summary draws an earlier run's summary: add --plot PNG" in proc.stderr
-
-
-def test_a_smoke_run_draws_its_own_summary(tiny_llama, tmp_path):
-    chart = tmp_path / "smoke.png"
-    proc = harness("--smoke", "--workloads", "W1", "--engines", "pagedllm", "--dtype", "float32", "--model",
-                   str(tiny_llama), "--work-dir", str(tmp_path / "work"), "--plot", str(chart), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "work" / "summary.json").read_text())
-    assert summary["smoke"] and [row["metric"] for row in summary["rows"]] == ["W1 output tok/s", "W1 start-up s"]
-    assert proc.stdout.strip().endswith(f"chart: {chart}")
-    assert_chart(chart, panels=2)

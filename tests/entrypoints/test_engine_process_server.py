@@ -19,9 +19,9 @@ def server_args(tiny_llama_dir) -> list[str]:
     return [str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-space", "0.01"]
 
 
-def start_streaming(start_server, tiny_llama_dir, max_tokens: int):
+def start_streaming(start_server, tiny_llama_dir, max_tokens: int, *flags: str):
     """A server, its engine core's pid, and a streamed completion of which the first chunk has arrived."""
-    server = start_server(*server_args(tiny_llama_dir))
+    server = start_server(*server_args(tiny_llama_dir), *flags)
     [core] = server.children()
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = api.completions.create(model="llama", prompt="Paris", max_tokens=max_tokens, stream=True,
@@ -40,7 +40,7 @@ def alive(pid: int) -> bool:
 
 
 def test_the_core_dying_fails_open_requests_then_the_server_exits_1(start_server, tiny_llama_dir):
-    server, core, api, stream, chunks = start_streaming(start_server, tiny_llama_dir, 500)
+    server, core, api, stream, chunks = start_streaming(start_server, tiny_llama_dir, 500, "--shutdown-timeout", "2")
     os.kill(core, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="engine core process exited unexpectedly"):
         for chunk in stream:

@@ -32,7 +32,7 @@ def rank_pid(root: int, rank: int) -> int:
 
 def test_a_killed_rank_ends_open_requests_and_health_turns_503(start_server, tiny_llama_dir):
     server = start_server(str(tiny_llama_dir), "--dtype", "float32", "-tp", "2", "--kv-cache-space", "0.05",
-                          "--max-model-len", "512", "--served-model-name", "tiny")
+                          "--max-model-len", "512", "--served-model-name", "tiny", "--shutdown-timeout", "2")
     assert httpx.get(server.url + "/health").status_code == 200
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 400, "ignore_eos": True,
             "stream": True, "temperature": 0}

@@ -5,7 +5,7 @@
 // brgemm. Everything here is inline: each kernel file compiles its own copy.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #if defined(__AVX2__)

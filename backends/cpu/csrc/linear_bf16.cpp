@@ -1,7 +1,7 @@
 // bf16 linear layers as tile GEMMs through torch's brgemm (oneDNN micro-kernels: AVX512_BF16, AMX tiles where the
 // CPU has them), over weights packed once into column blocks. oneDNN's matmul primitive pays a per-call cost that
 // dominates at decode sizes; the micro-kernel call does not.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 
@@ -40,7 +40,7 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), blocks = cdiv(n, kColumns);
   TORCH_CHECK(k % 2 == 0, "the input width must be even (pairs of bf16), got ", k);
   const at::Tensor w = weight.contiguous();
-  at::Tensor packed = at::zeros({blocks, k / 2, kColumns, 2}, weight.options());
+  at::Tensor packed = weight.new_zeros({blocks, k / 2, kColumns, 2});
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -79,7 +79,7 @@ struct Operands {
     if (rows.stride(1) != 1) rows = rows.contiguous();
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = out_features;
-    out = at::empty(shape, x.options().dtype(out_dtype));
+    out = x.new_empty(shape, x.options().dtype(out_dtype));
     m = rows.size(0);
     lda = rows.stride(0);
     if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();

@@ -1,35 +1,39 @@
 // The backend's C++ extension: one Python module over the kernels in this folder.
-#include <torch/extension.h>
+// torch's pybind11 casters for tensors, not <torch/extension.h>: the whole C++ frontend took most of a build's time.
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <vector>
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
-                            c10::optional<torch::Tensor> key_min, c10::optional<torch::Tensor> value_scale,
-                            c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
-                            torch::Tensor seq_lens, double scale, int64_t window,
-                            c10::optional<torch::Tensor> new_keys, c10::optional<torch::Tensor> new_values,
-                            c10::optional<torch::Tensor> slots, int64_t shared_blocks);
-void paged_prefill_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                             torch::Tensor value_cache, c10::optional<torch::Tensor> key_scale,
-                             c10::optional<torch::Tensor> key_min, c10::optional<torch::Tensor> value_scale,
-                             c10::optional<torch::Tensor> value_min, torch::Tensor block_table,
-                             torch::Tensor past_lens, torch::Tensor q_starts, torch::Tensor q_lens, double scale,
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
+                            c10::optional<at::Tensor> key_min, c10::optional<at::Tensor> value_scale,
+                            c10::optional<at::Tensor> value_min, at::Tensor block_table,
+                            at::Tensor seq_lens, double scale, int64_t window,
+                            c10::optional<at::Tensor> new_keys, c10::optional<at::Tensor> new_values,
+                            c10::optional<at::Tensor> slots, int64_t shared_blocks);
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
+                             c10::optional<at::Tensor> key_min, c10::optional<at::Tensor> value_scale,
+                             c10::optional<at::Tensor> value_min, at::Tensor block_table,
+                             at::Tensor past_lens, at::Tensor q_starts, at::Tensor q_lens, double scale,
                              int64_t window);
-void store_kv_rows(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor keys, torch::Tensor values,
-                   torch::Tensor slots);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate, torch::Tensor up);
-void rotary_embedding(torch::Tensor query, torch::Tensor key, torch::Tensor cos, torch::Tensor sin, int64_t head_size);
+void store_kv_rows(at::Tensor key_cache, at::Tensor value_cache, at::Tensor keys, at::Tensor values,
+                   at::Tensor slots);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor h, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up);
+void rotary_embedding(at::Tensor query, at::Tensor key, at::Tensor cos, at::Tensor sin, int64_t head_size);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
 bool linear_bf16_available();
-torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight);
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+at::Tensor pack_linear_weight_bf16(const at::Tensor& weight);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                           int64_t out_features, bool float_output);
-torch::Tensor linear_silu_and_mul_bf16(const torch::Tensor& x, const torch::Tensor& packed,
-                                       const c10::optional<torch::Tensor>& bias, int64_t width);
+at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
+                                       const c10::optional<at::Tensor>& bias, int64_t width);
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",

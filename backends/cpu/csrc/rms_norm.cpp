@@ -2,7 +2,7 @@
 // x * rsqrt(mean(x^2) + eps), rounded to the input's dtype, then times the weight (torch runs that as seven ops).
 // The fused form first adds a layer's output into the residual stream in place (vLLM's fused_add_rms_norm), so the
 // stream is read once; the stream may be float32 under bf16 weights.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -110,7 +110,7 @@ void with_type(at::ScalarType type, F&& f) {
 // x [..., dim] contiguous, weight [dim]; float32 or bfloat16 each. The result has the weight's dtype.
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   const int64_t dim = check_rows(x, weight, "rms_norm");
-  auto out = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  auto out = x.new_empty(x.sizes(), x.options().dtype(weight.scalar_type()));
   const int64_t rows = dim ? x.numel() / dim : 0;
   with_type(x.scalar_type(), [&](auto x_tag) {
     with_type(weight.scalar_type(), [&](auto w_tag) {
@@ -129,7 +129,7 @@ at::Tensor add_rms_norm(at::Tensor h, at::Tensor residual, at::Tensor weight, do
   const int64_t dim = check_rows(residual, weight, "add_rms_norm");
   TORCH_CHECK(h.is_contiguous() && h.sizes() == residual.sizes() && h.scalar_type() == weight.scalar_type(),
               "add_rms_norm: h must be contiguous, shaped as the residual, in the weight's dtype");
-  auto out = at::empty(h.sizes(), h.options());
+  auto out = h.new_empty(h.sizes());
   const int64_t rows = dim ? h.numel() / dim : 0;
   with_type(residual.scalar_type(), [&](auto s_tag) {
     with_type(weight.scalar_type(), [&](auto w_tag) {

@@ -2,7 +2,7 @@
 // projections: transformers spends six torch ops per tensor on it (two multiplies, a negate, a concat, slices, an
 // add), each a pass over memory. In float32 the arithmetic and its order are torch's, so the result is bit for bit
 // the same; in bfloat16 it is computed in float32 and rounded once (torch rounds after each op).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // SwiGLU's silu(gate) * up in one pass: torch runs it as silu, then a multiply, each a full pass over
 // [tokens, width].
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -77,7 +77,7 @@ at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() && gate.dim() >= 1,
               "silu_and_mul: gate and up of one shape and dtype");
   const int64_t width = gate.size(-1);
-  at::Tensor out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = gate.new_empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const at::Tensor g = gate.reshape({-1, width}), u = up.reshape({-1, width});
   TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1, "silu_and_mul: elements of a row must be contiguous");

@@ -2,7 +2,7 @@
 // loads widen float, bfloat16 and uint8 elements to float32 in registers, and stores round back.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
