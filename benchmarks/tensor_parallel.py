@@ -93,11 +93,12 @@ def _collectives(rank: int, init: str, rows: int, hidden: int, vocab: int, layer
 def collectives_seconds(rows: int, hidden: int, vocab: int, layers: int, dtype: str) -> float:
     import torch.multiprocessing as mp
 
-    from pagedllm.backends.cpu.tensor_parallel.launch import free_local_init_method
+    from pagedllm.backends.cpu.tensor_parallel.launch import local_init_method, rank_env
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    init = free_local_init_method()
+    init = local_init_method()  # as the engine's ranks meet on one machine
+    os.environ.update(rank_env(init))
     procs = [ctx.Process(target=_collectives, args=(r, init, rows, hidden, vocab, layers, dtype, queue))
              for r in range(2)]
     for p in procs:

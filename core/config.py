@@ -77,6 +77,14 @@ SETTINGS: tuple[Setting, ...] = (
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
             "requests it ran) before the engine gives up"),
+    Setting("max_logprobs", int, 20, "most logprobs (top tokens) a request may ask for per token, as vLLM's"),
+    Setting("max_stop_strings", int, 64, "most stop strings one request may give"),
+    Setting("max_stop_token_ids", int, 1024, "most stop token ids one request may give"),
+    Setting("max_logit_bias", int, 1024, "most logit_bias entries one request may give"),
+    Setting("structured_outputs_compile_timeout", float, 5.0, "seconds a request's grammar may take to compile "
+            "(off the engine's steps); a request whose grammar takes longer is refused"),
+    Setting("structured_outputs_max_bytes", int, 65536, "largest structured-output constraint (JSON schema, "
+            "regex, choices, grammar) in bytes of its text"),
 )
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -99,6 +107,12 @@ class EngineArgs:
     kv_cache_dtype: str | None = None
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
+    max_logprobs: int | None = None
+    max_stop_strings: int | None = None
+    max_stop_token_ids: int | None = None
+    max_logit_bias: int | None = None
+    structured_outputs_compile_timeout: float | None = None
+    structured_outputs_max_bytes: int | None = None
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # settings of a backend's own
 
     @classmethod
@@ -129,6 +143,12 @@ class EngineConfig:
     kv_cache_dtype: str
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
+    max_logprobs: int = 20
+    max_stop_strings: int = 64
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    structured_outputs_compile_timeout: float = 5.0
+    structured_outputs_max_bytes: int = 65536
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # the backend's own settings
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "flag" / env name / "default"
     serving: bool = False  # set by the HTTP server: backends may leave a core free for it
@@ -246,9 +266,15 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
         if s.choices and values[s.name] not in s.choices:
             raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
-                 "max_waiting_requests", "max_consecutive_step_failures"):
+                 "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")
+    for name in ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
+        if values[name] < 0:
+            raise ConfigError(f"{where(name)}: {name} must be 0 or more, got {values[name]}")
+    if not values["structured_outputs_compile_timeout"] > 0:
+        raise ConfigError(f"{where('structured_outputs_compile_timeout')}: the compile timeout must be more than 0 "
+                          f"seconds")
     if not values["kv_cache_space"] > 0:
         raise ConfigError(f"{where('kv_cache_space')}: the KV cache space must be more than 0 GiB, "
                           f"got {values['kv_cache_space']}")

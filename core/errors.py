@@ -38,6 +38,15 @@ class UnsupportedModelError(ValueError):
     """The model's architecture is not one this backend runs."""
 
 
+def client_message(exc: BaseException) -> str:
+    """What a client may be told of an error: the text of the errors above, written for users, else only its kind
+    (an arbitrary exception's text may name files and internals; the server's log has it)."""
+    if isinstance(exc, (BackendNotFoundError, ConfigError, InvalidRequestError, BackendDeadError, QueueFullError,
+                        ModelNotFoundError, UnsupportedModelError)):
+        return str(exc)
+    return f"{type(exc).__name__}; the server log has the details"
+
+
 __all__ = [
     "BackendDeadError",
     "BackendNotFoundError",

@@ -4,12 +4,39 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 from pagedllm.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
-# A seed seeds a torch.Generator and crosses to the engine core as MessagePack: both take a signed 64-bit integer.
+# Every integer crosses to the engine core as MessagePack and into torch tensors: both take a signed 64-bit one.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+INT64_MAX = SEED_MAX
+MAX_N = 2**31 - 1  # the engine also caps n at max_num_seqs
+MAX_STOP_STRING_CHARS = 4096  # a stop string is looked for in the text of every step
+
+
+def check_text(value, param: str) -> None:
+    """Refuse text that UTF-8 cannot carry (a lone surrogate such as "\\ud800", which JSON allows): neither the
+    engine core's messages nor the tokenizer take it. Strings inside lists and dicts are checked too."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidRequestError(f"{param} holds text that is not valid Unicode (a lone surrogate)",
+                                          param=param) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 STRUCTURED_OUTPUTS_PARAM = "structured_outputs"
@@ -29,6 +56,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
+        check_text([getattr(self, kind) for kind in _KINDS], STRUCTURED_OUTPUTS_PARAM)
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(
@@ -117,7 +145,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias maps token ids to numbers", param="logit_bias") from None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._check()
@@ -126,34 +157,39 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {msg}", param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be at least 1, got {self.n}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be at least 1 (and at most {MAX_N}), got {self.n!r}")
         if not self.temperature >= 0:
             raise bad("temperature", f"must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be 0 or -1 (off) or a positive integer, got {self.top_k}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", f"must be 0 or -1 (off) or a positive 64-bit integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+            raise bad("max_tokens", f"must be a positive 64-bit integer, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise bad("min_tokens", f"must be a non-negative 64-bit integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", f"must be a finite number greater than 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
+            raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative 64-bit integers")
+        if self.logit_bias and any(not 0 <= k <= INT64_MAX or not math.isfinite(v) for k, v in self.logit_bias.items()):
+            raise bad("logit_bias", "maps non-negative token ids to finite numbers")
+        check_text(self.stop, "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters long")
 
     @property
     def greedy(self) -> bool:

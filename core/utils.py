@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def cdiv(a: int, b: int) -> int:
     """The ceiling of a / b for positive b: how many b-sized blocks hold a items."""
     return -(a // -b)
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` in this interpreter, without the working directory on ``sys.path``: a file there
+    named like a module the child imports would otherwise be run in its place (``-P``, or by hand before 3.11)."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module, *args]
+    code = (f"import runpy, sys; del sys.path[0]; sys.argv[0] = {module!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code, *args]

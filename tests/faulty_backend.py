@@ -1,13 +1,15 @@
 """A test-only backend plugin: the cpu backend, except that ``execute`` raises when told to.
 
 The tests arm it by writing a count into the file named by ``PAGEDLLM_TEST_FAULTS``: that many of the next steps
-raise ``InjectedFault``. A file, so that an engine-core process (which registers this module through an entry point
+raise ``InjectedFault``; ``hang`` writes ``hang SECONDS``: the next step sleeps that long first (a step that
+hangs). A file, so that an engine-core process (which registers this module through an entry point
 the tests put on PYTHONPATH, see ``plugin_path``) is armed the same way as an in-process engine.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from pagedllm.backends.cpu.backend import CPUBackend
@@ -25,8 +27,11 @@ class FaultyBackend(CPUBackend):
     name = NAME
 
     def execute(self, batch):
-        if _take_fault():
+        fault = _take_fault()
+        if fault == "raise":
             raise InjectedFault("injected fault")
+        if fault is not None:
+            time.sleep(float(fault))
         return super().execute(batch)
 
 
@@ -34,15 +39,24 @@ def arm(path: Path, steps: int = 1) -> None:
     path.write_text(str(steps))
 
 
-def _take_fault() -> bool:
+def hang(path: Path, seconds: float) -> None:
+    path.write_text(f"hang {seconds}")
+
+
+def _take_fault() -> str | None:
+    """"raise", seconds to sleep, or None."""
     path = os.environ.get(FAULTS_ENV)
     if not path or not os.path.exists(path):
-        return False
-    left = int(Path(path).read_text() or 0)
+        return None
+    text = Path(path).read_text().strip()
+    if text.startswith("hang "):
+        Path(path).write_text("0")
+        return text.split()[1]
+    left = int(text or 0)
     if left <= 0:
-        return False
+        return None
     Path(path).write_text(str(left - 1))
-    return True
+    return "raise"
 
 
 def plugin_path(folder: Path) -> str:

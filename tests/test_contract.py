@@ -13,6 +13,7 @@ from pagedllm.config import EngineArgs, resolve
 from pagedllm.engine.arg_utils import add_cli_args, from_cli_args, settings_table
 from pagedllm.engine.stats import EngineStats, StatsLogger
 from pagedllm.errors import ConfigError
+from pagedllm.utils import module_command
 
 SETTINGS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
@@ -104,3 +105,11 @@ def test_the_stats_log_line_comes_every_interval_while_busy(caplog):
                                "0 preemptions"]
     log.observe(EngineStats(steps=9), now=30)  # idle: no line
     assert len(caplog.records) == 1
+
+
+def test_child_processes_do_not_import_from_the_working_directory(tmp_path):
+    """The engine core and tensor-parallel ranks start through module_command: a file in the working directory
+    named like a module they import is not run in its place."""
+    (tmp_path / "platform.py").write_text("raise SystemExit('shadowed by the working directory')")
+    proc = subprocess.run(module_command("platform"), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "shadowed" not in proc.stdout + proc.stderr

@@ -101,3 +101,21 @@ def test_the_core_dying_is_an_error_not_a_hang(tiny_llama):
     with pytest.raises(RuntimeError, match=r"exited unexpectedly \(exit code -9\)"):
         llm.generate("Paris", SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
+
+
+def test_a_request_id_can_be_reused_right_after_its_abort(llms):
+    """What the core sent for the aborted request before the abort reached it never reaches the new one."""
+    local, split = llms
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [expected] = local.generate(PROMPTS[1], params, use_tqdm=False)
+    engine = split.engine
+    engine.add_request("again", PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.abort_request("again")
+    engine.add_request("again", PROMPTS[1], params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    assert finals["again"].outputs[0].token_ids == expected.outputs[0].token_ids

@@ -63,14 +63,22 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     assert stats.requests_tracked == 0
 
 
-def fail_the_sampler_once(engine: LLMEngine, monkeypatch) -> None:
+class InjectedSamplerFault(RuntimeError):
+    pass
+
+
+def fail_the_sampler_for(engine: LLMEngine, monkeypatch, request_id: str):
+    """The sampler raises whenever it samples ``request_id`` (as if that request's parameters broke it); returns
+    the function that puts the real sampler back."""
     sampler = engine.sampler
 
-    def once(*args):
-        monkeypatch.setattr(engine, "sampler", sampler)
-        raise RuntimeError("injected sampler fault")
+    def failing(logits, requests):
+        if any(r.group_id == request_id for r in requests):
+            raise InjectedSamplerFault("injected sampler fault")
+        return sampler(logits, requests)
 
-    monkeypatch.setattr(engine, "sampler", once)
+    monkeypatch.setattr(engine, "sampler", failing)
+    return lambda: monkeypatch.setattr(engine, "sampler", sampler)
 
 
 @pytest.mark.parametrize("where", ["backend", "sampler"])
@@ -81,16 +89,23 @@ def test_a_failing_step_fails_only_its_requests(model, faults, monkeypatch, wher
 
     add(e, *PROMPTS)  # max_num_seqs 2: a and b run, c and d wait
     e.step()
-    if where == "backend":
+    if where == "backend":  # the step fails: both requests in it end
         faulty_backend.arm(faults)
-    else:
-        fail_the_sampler_once(e, monkeypatch)
-    failed = e.step()
-    assert {o.request_id for o in failed} == {"a", "b"}
-    assert all(o.finished and o.error and "injected" in o.error and o.outputs == [] for o in failed)
-    assert e.stats().kv_blocks_used == 0  # a's and b's blocks are back; c and d have not started
+        failing = {"a", "b"}
+    else:  # sampling fails for a alone: b samples on
+        restore = fail_the_sampler_for(e, monkeypatch, "a")
+        failing = {"a"}
+    outputs = e.step()
+    if where == "sampler":
+        restore()
+    failed = [o for o in outputs if o.error is not None]
+    assert {o.request_id for o in failed} == failing
+    assert all(o.finished and o.outputs == [] and "Injected" in o.error for o in failed)
+    if where == "backend":
+        assert e.stats().kv_blocks_used == 0  # a's and b's blocks are back; c and d have not started
     rest = run(e)
-    assert {name: out.outputs[0].token_ids for name, out in rest.items()} == {"c": expected["c"], "d": expected["d"]}
+    assert set(rest) == set(PROMPTS) - failing
+    assert {name: out.outputs[0].token_ids for name, out in rest.items()} == {name: expected[name] for name in rest}
     assert all(out.error is None for out in rest.values())
 
     add(e, "a")  # the failed request, again
@@ -102,7 +117,8 @@ def test_a_failing_step_fails_only_its_requests(model, faults, monkeypatch, wher
 @pytest.mark.parametrize("where", ["backend", "sampler"])
 def test_no_later_request_reuses_the_blocks_of_a_failed_prefill(model, faults, monkeypatch, where):
     """The cpu backend publishes a prompt's full blocks when they are allocated, the engine after a step ran: a
-    fault in the backend or in the sampler leaves published blocks that must be withdrawn."""
+    fault in the backend leaves published blocks that may be half written, and they are withdrawn. A fault in the
+    sampler comes after the forward pass wrote them whole: they stay cached, and the retry reuses them."""
     e = engine(model, enable_prefix_caching=True)
     prompts = {"long": LONG_PROMPT}
     add(e, "long", prompts=prompts)
@@ -115,13 +131,15 @@ def test_no_later_request_reuses_the_blocks_of_a_failed_prefill(model, faults, m
     if where == "backend":
         faulty_backend.arm(faults)
     else:
-        fail_the_sampler_once(e, monkeypatch)
+        restore = fail_the_sampler_for(e, monkeypatch, "long")
     [failed] = e.step()
+    if where == "sampler":
+        restore()
     assert failed.error is not None
-    assert len(e.kv_manager.prefix_cache) == 0
+    assert (len(e.kv_manager.prefix_cache) == 0) == (where == "backend")
     add(e, "long", prompts=prompts)
     assert run(e)["long"].outputs[0].token_ids == expected
-    assert e.stats().prefix_cache_hits == 0
+    assert (e.stats().prefix_cache_hits == 0) == (where == "backend")
     assert len(e.kv_manager.prefix_cache) == num_cached  # what the retry computed is cached as usual
     e.shutdown()
 
@@ -161,6 +179,31 @@ def test_llm_generate_reports_the_error_on_the_output(model, faults):
     llm = LLM(str(model), backend=faulty_backend.NAME, dtype="float32", kv_cache_space=0.01, max_num_seqs=1)
     faulty_backend.arm(faults)
     first, second = llm.generate([PROMPTS["a"], PROMPTS["b"]], GREEDY, use_tqdm=False)
-    assert "injected fault" in first.error and first.outputs == []
+    assert "InjectedFault" in first.error and first.outputs == []
     assert second.error is None and len(second.outputs[0].token_ids) == 6
     llm.shutdown()
+
+
+def test_a_failing_schedule_counts_as_a_failed_step(model, faults, monkeypatch):
+    """schedule() runs inside the step's isolation: once is survived, max_consecutive_step_failures in a row stop
+    the engine."""
+    e = engine(model)
+    add(e, "a")
+    real = e.scheduler.schedule
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected schedule fault")
+        return real()
+
+    monkeypatch.setattr(e.scheduler, "schedule", failing)
+    assert e.step() == []
+    assert run(e)["a"].error is None
+    monkeypatch.setattr(e.scheduler, "schedule", lambda: (_ for _ in ()).throw(RuntimeError("always")))
+    add(e, "b")
+    with pytest.raises(RuntimeError, match="always"):
+        for _ in range(e.config.max_consecutive_step_failures):
+            e.step()
+    e.shutdown()

@@ -1,33 +1,36 @@
-"""The cpu backend: picks the dtype, owns a ModelRunner, and answers the core's questions."""
+"""The cpu backend: picks the dtype, owns a ModelRunner, and answers the core's questions.
+
+torch and the runner are imported when a model loads, not with this module: the CLI reads the backend's settings
+from it, and ``pagedllm --help`` or a server's front end should not wait for torch to get them.
+"""
 
 from __future__ import annotations
 
 import logging
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends.common import cpu_features
 from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
-from pagedllm.backends.cpu.runner.allocator import keep_freed_memory
-from pagedllm.backends.cpu.runner.ipex import ipex_status
-from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
-from pagedllm.backends.cpu.runner.model_runner import ModelRunner
-from pagedllm.backends.cpu.runner.threads import ThreadBinder
-from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelExecutor
 from pagedllm.backends.cpu.tensor_parallel.launch import (
     DISTRIBUTED_INIT_METHOD,
     NNODES,
     NODE_COMMAND,
     NODE_RANK,
-    free_local_init_method,
+    local_init_method,
     local_ranks,
 )
 from pagedllm.batch import Batch
 from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
 from pagedllm.models.source import ModelSource
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from pagedllm.backends.cpu.runner.model_runner import ModelRunner
+    from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelExecutor
 
 logger = logging.getLogger("pagedllm.cpu")
 # The attention kernels hold a block's softmax weights on the stack (csrc/paged_attention.cpp, block_accumulate).
@@ -36,6 +39,8 @@ MAX_BLOCK_SIZE = 1024
 
 def choose_dtype(requested: str, native_bf16: bool) -> tuple[torch.dtype, str]:
     """(dtype, why) for the user's --dtype."""
+    import torch
+
     if requested == "float32":
         return torch.float32, "float32 as asked"
     if requested == "bfloat16":
@@ -49,6 +54,8 @@ def choose_dtype(requested: str, native_bf16: bool) -> tuple[torch.dtype, str]:
 
 def choose_kv_cache(requested: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype, str]:
     """(kind, dtype, description) of the KV cache for --kv-cache-dtype."""
+    import torch
+
     if requested == "u8":
         return "u8", torch.uint8, "u8 with a float32 scale and minimum per token and head"
     if requested == "fp32":
@@ -95,6 +102,13 @@ class CPUBackend(Backend):
         self.runner: ModelRunner | TensorParallelExecutor | None = None
 
     def load_model(self) -> ModelInfo:
+        import torch
+
+        from pagedllm.backends.cpu.runner.allocator import keep_freed_memory
+        from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
+        from pagedllm.backends.cpu.runner.model_runner import ModelRunner
+        from pagedllm.backends.cpu.runner.threads import ThreadBinder
+
         if self.model.hf_dir is None:
             raise ConfigError(
                 f"{self.model.path} is an OpenVINO export; run it with --backend openvino, or give the cpu "
@@ -115,6 +129,9 @@ class CPUBackend(Backend):
         return self.runner.load()
 
     def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
+        from pagedllm.backends.cpu.runner.kernels import attention_mode
+        from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelExecutor
+
         options = self.config.backend_options
         for plan in self.rank_plans:
             for warning in plan.warnings:
@@ -123,7 +140,7 @@ class CPUBackend(Backend):
                  "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
                  "attention_mode": attention_mode()}
         self.runner = TensorParallelExecutor(model, options["tensor_parallel_size"], self.rank_plans,
-                                             options["distributed_init_method"] or free_local_init_method(),
+                                             options["distributed_init_method"] or local_init_method(),
                                              self.config.max_num_seqs)
         info = self.runner.load()
         self.attention_path = self.runner.ranks[0]["attention"]
@@ -152,19 +169,23 @@ class CPUBackend(Backend):
         return list(self.thread_plan.cpus) if self.thread_plan.cpus is not None else None
 
     def release_thread(self) -> None:
-        if isinstance(self.runner, ModelRunner):
+        if self.runner is not None and not self.tensor_parallel:
             self.runner.binder.release()
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        import torch
+
         self.runner.copy_blocks(torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long))
 
     def describe(self) -> str:
+        from pagedllm.backends.cpu.runner.ipex import ipex_status
+
         threads = self.runner.describe() if self.tensor_parallel else self.thread_plan.describe()
         return f"KV cache {self.cache_reason}; {threads}; attention: {self.attention_path} (IPEX: {ipex_status()})"
 
     def shutdown(self) -> None:
         self.release_thread()
-        if isinstance(self.runner, TensorParallelExecutor):
+        if self.runner is not None and self.tensor_parallel:
             self.runner.shutdown()
         self.runner = None
 

@@ -24,6 +24,7 @@ from pagedllm.engine.core_client import make_core_client
 from pagedllm.engine.front_end import AddDone, CoreEnded, FrontEnd
 from pagedllm.engine.input_processing import PromptType, needs_tokenizing, tokenize_prompt
 from pagedllm.engine.stats import EngineStats
+from pagedllm.errors import client_message
 from pagedllm.models.source import ModelSource, load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -135,6 +136,7 @@ class AsyncLLMEngine:
         self._routes: dict[str, _Route] = {}
         self._dead: EngineDeadError | None = None
         self._stopping = False
+        self._last_progress = time.monotonic()  # the core's latest message, or when work began after idling
         self._receiver = threading.Thread(target=self._receive, name="pagedllm-front-end", daemon=True)
         self._receiver.start()
 
@@ -151,6 +153,8 @@ class AsyncLLMEngine:
         with self._lock:
             if self._dead is not None:
                 raise self._dead
+            if not self._routes and not self._front.requests_tracked:
+                self._last_progress = time.monotonic()  # the watch starts with the work, not at the last step
             self._front.add(prompts, arrival_time or time.time(), _Add(loop, stream._queue, done))
         try:
             await done
@@ -171,6 +175,14 @@ class AsyncLLMEngine:
     @property
     def dead(self) -> EngineDeadError | None:
         return self._dead
+
+    def stalled_for(self, bound: float) -> float | None:
+        """Seconds since the core last said anything while requests are in flight, if more than ``bound`` (a step
+        or a tensor-parallel collective that hangs); None otherwise."""
+        with self._lock:
+            busy = bool(self._routes) or self._front.requests_tracked > 0
+            quiet = time.monotonic() - self._last_progress
+        return quiet if busy and quiet > bound else None
 
     @property
     def requests_tracked(self) -> int:
@@ -198,7 +210,7 @@ class AsyncLLMEngine:
         except Exception as exc:  # its death is the engine's: nothing would answer the requests in flight
             logger.exception("the front end's receiving thread failed")
             with self._lock:
-                error = self._die(CoreEnded(f"the front end failed: {exc!r}"))
+                error = self._die(CoreEnded(f"the front end failed: {client_message(exc)}"))
             self._client.stop(10.0)
         self._client.close()
         if not self._stopping and self.on_dead is not None:
@@ -212,6 +224,7 @@ class AsyncLLMEngine:
         while True:
             message = self._client.receive()
             with self._lock:
+                self._last_progress = time.monotonic()
                 event = self._front.handle(message)
                 if isinstance(event, CoreEnded):
                     return self._die(event)

@@ -45,12 +45,14 @@ from pagedllm.engine.messages import (
     front_end_decoder,
 )
 from pagedllm.engine.stats import StatsLogger
+from pagedllm.errors import client_message
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm.engine.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core checks that its front end still runs
+GRAMMAR_POLL_MS = 5  # how often a core with nothing to step looks for grammars compiled meanwhile
 
 
 class FrontEndGone(Exception):
@@ -73,14 +75,20 @@ class EngineCore:
         self.channel = channel
         self.stats_log = StatsLogger(logger)
         self.last_stats = None
+        # adds answered once their requests' grammars have compiled: add id -> its request ids
+        self._deferred: dict[int, list[str]] = {}
+        self._grammar_results: dict[str, Exception | None] = {}
 
     def run(self) -> None:
         """Serve until told to stop; raises what a step raised once the engine gives up (the caller says so)."""
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
-            if not self._apply_commands(0 if busy else IDLE_POLL_MS):
+            wait = 0 if busy else GRAMMAR_POLL_MS if engine.num_compiling else IDLE_POLL_MS
+            if not self._apply_commands(wait):
                 return
+            if self._deferred:
+                self._answer_compiled_adds()
             if not engine.has_unfinished_requests():
                 self._send_stats_if_changed()
                 continue
@@ -98,7 +106,7 @@ class EngineCore:
             self._send_stats_if_changed()
         except Exception:
             logger.exception("could not abort the requests in flight")
-        return Dead(f"the engine failed: {exc!r}")
+        return Dead(f"the engine failed: {client_message(exc)}")
 
     def _apply_commands(self, timeout_ms: int) -> bool:
         """Apply what has arrived, waiting up to ``timeout_ms`` for the first; False once told to stop."""
@@ -117,7 +125,9 @@ class EngineCore:
     def _apply(self, command) -> bool:
         engine = self.engine
         if isinstance(command, Add):
-            self.channel.send(self._add(command))
+            answer = self._add(command)
+            if answer is not None:
+                self.channel.send(answer)
         elif isinstance(command, Abort):
             engine.abort_request(command.request_ids)
         elif isinstance(command, StopSequence):
@@ -128,17 +138,37 @@ class EngineCore:
             return False
         return True
 
-    def _add(self, command: Add) -> Added:
+    def _add(self, command: Add) -> Added | None:
+        """Add requests all or none; the answer, or None while grammars compile (then it comes later)."""
         added: list[str] = []
         try:
             for r in command.requests:
                 self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
-                                        arrival_time=r.arrival_time)
+                                        arrival_time=r.arrival_time, wait_for_grammar=False)
                 added.append(r.request_id)
         except Exception as exc:
             self.engine.abort_request(added)
             return Added(command.add_id, error_type(exc), str(exc), getattr(exc, "param", None))
+        if any(self.engine.is_compiling(rid) for rid in added):
+            self._deferred[command.add_id] = added
+            return None
         return Added(command.add_id)
+
+    def _answer_compiled_adds(self) -> None:
+        """Answer the adds whose grammars have all compiled (or failed to): queue them, or refuse them whole. The
+        answer goes out before any step runs them, so the front end knows them when their first token comes."""
+        self._grammar_results.update(self.engine.poll_grammars())
+        for add_id, request_ids in list(self._deferred.items()):
+            if any(self.engine.is_compiling(rid) for rid in request_ids):
+                continue
+            del self._deferred[add_id]
+            errors = [e for e in (self._grammar_results.pop(rid, None) for rid in request_ids) if e is not None]
+            if errors:
+                self.engine.abort_request(request_ids)
+                self.channel.send(Added(add_id, error_type(errors[0]), str(errors[0]), errors[0].param))
+            else:
+                self.channel.send(Added(add_id))
+                self.engine.admit(request_ids)
 
     def _send_stats_if_changed(self) -> None:
         stats = self.engine.stats()

@@ -15,7 +15,6 @@ import os
 import queue
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from typing import Protocol
@@ -23,6 +22,7 @@ from typing import Protocol
 from pagedllm import errors
 from pagedllm.config import EngineArgs
 from pagedllm.engine.messages import CoreExited, Failed, Ready, Shutdown, Start
+from pagedllm.utils import module_command
 
 logger = logging.getLogger("pagedllm.engine.core_client")
 
@@ -122,7 +122,9 @@ class ProcessCoreClient:
         self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe; commands come from any thread
         self._encode = encoder().encode
         self._decode = core_decoder().decode
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core", input_address, output_address])
+        self.proc = subprocess.Popen(module_command("pagedllm.engine.core", input_address, output_address))
+        # The front end needs transformers for its tokenizer: seconds of imports, paid while the core starts.
+        threading.Thread(target=_import_tokenizer_modules, name="pagedllm-preload", daemon=True).start()
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._pidfd = _pidfd(self.proc.pid)
@@ -203,6 +205,13 @@ class ProcessCoreClient:
             except OSError:  # the thread ended meanwhile
                 pass
         logger.info("%s bound to CPUs %s; the front end runs on CPUs %s", where, _cpus(core_cpus), _cpus(left))
+
+
+def _import_tokenizer_modules() -> None:
+    try:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+    except Exception:  # loading the tokenizer later says what is wrong
+        pass
 
 
 def _pidfd(pid: int) -> int | None:

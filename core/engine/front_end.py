@@ -3,6 +3,9 @@ state (``OutputProcessor``: detokenizing, stop strings), and what each message f
 
 One class serves both front ends, ``sync_client.SyncEngineClient`` (for ``LLM``) and ``async_llm.AsyncLLMEngine``
 (for the server). It is not thread-safe: its owner calls it from one thread at a time.
+
+The core knows each request by an id of its own (the caller's id and a counter), so a caller may reuse an id as
+soon as it has aborted the request: what the core sent for the old one before the abort reached it is dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pagedllm.engine.core_client import CoreClient, core_error
 from pagedllm.engine.messages import Abort, Add, Added, AddRequest, CoreExited, Dead, Step, StopSequence
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -51,6 +55,7 @@ class CoreEnded:
 @dataclasses.dataclass
 class _PendingAdd:
     prompts: list[PromptSpec]
+    core_ids: list[str]
     arrival_time: float
     context: Any
     aborted: set[str] = dataclasses.field(default_factory=set)
@@ -65,10 +70,11 @@ class FrontEnd:
         self.stats: EngineStats = ready.stats  # the core's latest snapshot
         self._add_ids = itertools.count()
         self._pending: dict[int, _PendingAdd] = {}  # add id -> the add, until the core answers it
+        self._core_ids: dict[str, str] = {}  # caller's request id -> the core's, while the request is tracked
+        self._counter = itertools.count()
 
     def tracks(self, request_id: str) -> bool:
-        return request_id in self.outputs or any(request_id == p[0] for add in self._pending.values()
-                                                 for p in add.prompts)
+        return request_id in self._core_ids
 
     @property
     def requests_tracked(self) -> int:
@@ -80,23 +86,45 @@ class FrontEnd:
 
     def add(self, prompts: list[PromptSpec], arrival_time: float, context: Any = None) -> None:
         """Send prompts (already tokenized) to the core, all or none; the answer comes back as an ``AddDone``."""
+        config = self.client.ready.config
+        for _, _, _, params in prompts:  # the core never sees stop strings: their bound is checked here
+            if len(params.stop) > config.max_stop_strings:
+                raise InvalidRequestError(f"stop has {len(params.stop)} entries, more than the "
+                                          f"{config.max_stop_strings} allowed (--max-stop-strings)", param="stop")
+        ids = [rid for rid, _, _, _ in prompts]
+        for rid in ids:
+            if rid in self._core_ids or ids.count(rid) > 1:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        core_ids = [f"{rid}#{next(self._counter)}" for rid in ids]
         add_id = next(self._add_ids)
-        self._pending[add_id] = _PendingAdd(prompts, arrival_time, context)
-        self.client.send(Add(add_id, [core_request(rid, ids, params, arrival_time) for rid, _, ids, params in prompts]))
+        message = Add(add_id, [core_request(core_id, token_ids, params, arrival_time)
+                               for core_id, (_, _, token_ids, params) in zip(core_ids, prompts)])
+        try:
+            self.client.send(message)
+        except Exception as exc:  # a value the engine's messages cannot carry: refused before it is tracked
+            raise InvalidRequestError(f"the request cannot be passed to the engine: {exc}") from None
+        self._pending[add_id] = _PendingAdd(prompts, core_ids, arrival_time, context)
+        self._core_ids.update(zip(ids, core_ids))
 
     def abort(self, request_ids: list[str]) -> None:
         """Forget requests now (later outputs for them are dropped) and tell the core; unknown ids are ignored."""
-        self.outputs.abort(request_ids)
+        core_ids = [self._core_ids.pop(rid) for rid in request_ids if rid in self._core_ids]
+        if not core_ids:
+            return
+        self.outputs.abort(core_ids)
         for add in self._pending.values():
-            add.aborted.update(set(request_ids).intersection(p[0] for p in add.prompts))
-        self.client.send(Abort(list(request_ids)))
+            add.aborted.update(set(core_ids).intersection(add.core_ids))
+        self.client.send(Abort(core_ids))
 
     def handle(self, message) -> StepDone | AddDone | CoreEnded:
         if isinstance(message, Step):
             self.stats = message.stats
             outputs, stops = self.outputs.process(message.outputs, message.time)
-            for request_id, index in stops:
-                self.client.send(StopSequence(request_id, index))
+            for core_id, index in stops:
+                self.client.send(StopSequence(core_id, index))
+            for output in outputs:
+                if output.finished:
+                    del self._core_ids[output.request_id]
             return StepDone(outputs, message.time, message.stats)
         if isinstance(message, Added):
             return self._added(message)
@@ -110,16 +138,20 @@ class FrontEnd:
     def clear(self) -> None:
         """Forget everything (the core is gone)."""
         self._pending.clear()
+        self._core_ids.clear()
         self.outputs.abort(list(self.outputs.request_ids()))
 
     def _added(self, message: Added) -> AddDone:
         add = self._pending.pop(message.add_id)
         if message.error_type is not None:
+            for (request_id, _, _, _), core_id in zip(add.prompts, add.core_ids):
+                if self._core_ids.get(request_id) == core_id:
+                    del self._core_ids[request_id]
             return AddDone(add.context, core_error(message.error_type, message.message, message.param), [])
         accepted = []
-        for request_id, text, token_ids, params in add.prompts:
-            if request_id not in add.aborted:
-                self.outputs.add(request_id, text, token_ids, params, add.arrival_time)
+        for (request_id, text, token_ids, params), core_id in zip(add.prompts, add.core_ids):
+            if core_id not in add.aborted:
+                self.outputs.add(core_id, text, token_ids, params, add.arrival_time, output_id=request_id)
                 accepted.append(request_id)
         return AddDone(add.context, None, accepted)
 

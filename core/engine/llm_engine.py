@@ -7,6 +7,7 @@ sampling, stop conditions) happens here.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -22,7 +23,7 @@ from pagedllm.engine.arg_utils import setting_owners
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processing import PromptType, tokenize_prompt
 from pagedllm.engine.stats import EngineStats
-from pagedllm.errors import BackendDeadError, InvalidRequestError, QueueFullError
+from pagedllm.errors import BackendDeadError, InvalidRequestError, QueueFullError, client_message
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.sizing import num_kv_blocks
 from pagedllm.logger import configure_logging
@@ -58,7 +59,12 @@ class LLMEngine:
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
-        self.structured_outputs = StructuredOutputManager(tokenizer, model_info.vocab_size, self.eos_token_ids)
+        self.structured_outputs = StructuredOutputManager(
+            tokenizer, model_info.vocab_size, self.eos_token_ids,
+            compile_timeout=config.structured_outputs_compile_timeout, max_bytes=config.structured_outputs_max_bytes)
+        # requests whose grammar is compiling, kept from the scheduler until it is: request id -> (request, future,
+        # deadline)
+        self._compiling: dict[str, tuple[Request, concurrent.futures.Future, float]] = {}
         self._ids = itertools.count()
         self._groups: dict[str, _Group] = {}
         self._counters = _Counters()
@@ -112,8 +118,12 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served."""
+                    arrival_time: float | None = None, wait_for_grammar: bool = True) -> str:
+        """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served.
+
+        A structured-output constraint compiles on a thread of its own. ``wait_for_grammar`` waits for it here
+        (up to the compile timeout); otherwise the request is held back until ``poll_grammars`` says its grammar
+        is ready and ``admit`` queues it, and other requests step meanwhile (the engine core does that)."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._groups or request_id in self.scheduler.requests:
@@ -124,17 +134,64 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0)
+        future = None
+        if params.structured_outputs is not None and not wait_for_grammar:
+            future = self.structured_outputs.compile_async(params.structured_outputs)
+        request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0,
+                                     compile_now=future is None)
         self._groups[request_id] = _Group(params.n, [request])
-        self.scheduler.add_request(request)
+        if future is not None and not future.done():
+            deadline = time.monotonic() + self.structured_outputs.compile_timeout
+            self._compiling[request_id] = (request, future, deadline)
+        else:
+            if future is not None:
+                self._attach_grammar(request, future)  # compiled before: ready now, or raises
+            self.scheduler.add_request(request)
         self._counters.prompt_tokens += len(token_ids)
         return request_id
 
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def is_compiling(self, request_id: str) -> bool:
+        return request_id in self._compiling
+
+    def poll_grammars(self) -> dict[str, Exception | None]:
+        """Requests whose grammar is ready (None) or failed (the error: it did not compile, or not in time), each
+        said once. Ready ones wait for ``admit``; failed ones should be aborted."""
+        resolved: dict[str, Exception | None] = {}
+        now = time.monotonic()
+        for request_id, (request, future, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[request_id]
+            try:
+                if not future.done():
+                    raise self.structured_outputs.timeout_error()
+                self._attach_grammar(request, future)
+                resolved[request_id] = None
+            except InvalidRequestError as exc:
+                resolved[request_id] = exc
+        return resolved
+
+    def admit(self, request_ids: Iterable[str]) -> None:
+        """Queue requests whose grammar ``poll_grammars`` said is ready."""
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is not None:
+                self.scheduler.add_request(group.members[0])
+
+    def _attach_grammar(self, request: Request, future: concurrent.futures.Future) -> None:
+        compiled = self.structured_outputs.compiled(future)
+        request.grammar = self.structured_outputs.state_for(compiled, request.stop_ids)
+
     def _new_sequence(self, seq_id: str, token_ids: list[int], params: SamplingParams, text: str | None,
-                      arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int) -> Request:
+                      arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int,
+                      compile_now: bool = True) -> Request:
         request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
                           group_id=group_id, index=index)
-        if params.structured_outputs is not None:  # compiled once per distinct constraint; a bad one raises here
+        if params.structured_outputs is not None and compile_now:  # once per distinct constraint; a bad one raises
             request.grammar = self.structured_outputs.new_state(params.structured_outputs, stop_ids)
         if params.detokenize:
             request.detokenizer = IncrementalDetokenizer(
@@ -157,14 +214,26 @@ class LLMEngine:
                                       param="n")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(f"logprobs must be at most the vocabulary size {vocab}", param="logprobs")
+        config = self.config
+        if params.structured_outputs is not None:
+            self.structured_outputs.check_size(params.structured_outputs)
+        if params.logprobs is not None and params.logprobs > min(config.max_logprobs, vocab):
+            raise InvalidRequestError(f"logprobs {params.logprobs} is more than the {min(config.max_logprobs, vocab)} "
+                                      f"this server allows (--max-logprobs)", param="logprobs")
+        for param, count, limit, flag in (
+                ("stop", len(params.stop), config.max_stop_strings, "--max-stop-strings"),
+                ("stop_token_ids", len(params.stop_token_ids), config.max_stop_token_ids, "--max-stop-token-ids"),
+                ("logit_bias", len(params.logit_bias or ()), config.max_logit_bias, "--max-logit-bias")):
+            if count > limit:
+                raise InvalidRequestError(f"{param} has {count} entries, more than the {limit} allowed ({flag})",
+                                          param=param)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests (all n sequences of each) now and free their KV blocks; unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
+            self._compiling.pop(request_id, None)
             group = self._groups.pop(request_id, None)
             if group is not None:
                 for request in group.members:
@@ -199,7 +268,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass. Returns an output for every request that made progress; its
         ``outputs`` hold the sequences that progressed in this step (cumulative, with their deltas)."""
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # no request to blame: it counts against the engine as a failed step
+            self._consecutive_failures += 1
+            logger.error("scheduling a step failed (%d in a row, the engine stops at %d)", self._consecutive_failures,
+                         self.config.max_consecutive_step_failures, exc_info=exc)
+            if self._consecutive_failures >= self.config.max_consecutive_step_failures:
+                raise
+            return []
         self.batch_builder.release(sched.released_ids)
         if sched.empty:
             return []
@@ -224,13 +301,52 @@ class LLMEngine:
         if any(r.num_pending_forks for r in requests):
             requests, rows = self._fork_groups(requests)
             logits = logits[rows]
-        sampled = self.sampler(logits, requests)
+        requests, token_ids, logprobs, failed = self._sample(logits, requests)
         now = time.time()
         progressed: dict[str, list[CompletionOutput]] = {}
-        for request, token_id, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
-            completion = self._append_token(request, token_id, logprobs, now)
+        for request, token_id, token_logprobs in zip(requests, token_ids, logprobs):
+            completion = self._append_token(request, token_id, token_logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
-        return [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
+        outputs = [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
+        return outputs + self._fail_requests(failed, now)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]):
+        """(requests, token ids, logprobs, failed groups) of the step. If sampling the batch raises, each request
+        is sampled alone: one whose own parameters make it fail ends with an error, the others go on."""
+        try:
+            sampled = self.sampler(logits, requests)
+            return requests, sampled.token_ids, sampled.logprobs, {}
+        except Exception as exc:
+            logger.warning("sampling the step's batch failed (%s); sampling each request alone", exc)
+        kept, token_ids, logprobs, failed = [], [], [], {}
+        for row, request in enumerate(requests):
+            if request.group_id in failed:
+                continue
+            try:
+                one = self.sampler(logits[row:row + 1], [request])
+            except Exception as exc:
+                logger.error("sampling failed for request %s", request.group_id, exc_info=exc)
+                failed[request.group_id] = exc
+                continue
+            kept.append(request)
+            token_ids += one.token_ids
+            logprobs += one.logprobs
+        survivors = [(r, t, lp) for r, t, lp in zip(kept, token_ids, logprobs) if r.group_id not in failed]
+        return [s[0] for s in survivors], [s[1] for s in survivors], [s[2] for s in survivors], failed
+
+    def _fail_requests(self, failed: dict[str, Exception], now: float) -> list[RequestOutput]:
+        """End these requests (groups) with an error: their step failed because of them; free what they hold."""
+        outputs = []
+        for group_id, exc in failed.items():
+            group = self._groups.get(group_id)
+            if group is None:
+                continue
+            first = group.members[0]
+            metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
+            outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics,
+                                         step_error_message(exc)))
+        self.abort_request(list(failed))
+        return outputs
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """A step raised: end the requests it ran with an error and free their blocks, so the others go on. What it
@@ -245,18 +361,7 @@ class LLMEngine:
             raise exc
         for item in sched.scheduled:
             self.kv_manager.unpublish_step(item.request)
-        now = time.time()
-        message = f"the engine step running this request failed: {exc!r}"
-        outputs = []
-        for group_id in group_ids:
-            group = self._groups.get(group_id)
-            if group is None:  # already reported finished before the step raised
-                continue
-            first = group.members[0]
-            metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, now)
-            outputs.append(RequestOutput(group_id, first.prompt, first.prompt_token_ids, [], True, metrics, message))
-        self.abort_request([output.request_id for output in outputs])
-        return outputs
+        return self._fail_requests({group_id: exc for group_id in group_ids}, time.time())
 
     def _fork_groups(self, requests: list[Request]) -> tuple[list[Request], list[int]]:
         """Sequence 0 of an n > 1 request has its prompt computed: create its n - 1 siblings, which the scheduler
@@ -364,7 +469,14 @@ class LLMEngine:
         self.backend.release_thread()
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.backend.shutdown()
+
+
+def step_error_message(exc: Exception) -> str:
+    """What a client is told of a failed step: the kind of error, not its text (which may name files or
+    internals); the server's log has the traceback."""
+    return f"the engine step running this request failed: {client_message(exc)}"
 
 
 class _Group:

@@ -30,12 +30,13 @@ class _Sequence:
 
 
 class _Request:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "arrival_time", "stop_ids", "sequences",
-                 "unfinished")
+    __slots__ = ("request_id", "output_id", "prompt", "prompt_token_ids", "params", "arrival_time", "stop_ids",
+                 "sequences", "unfinished")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, eos_token_ids: frozenset[int]) -> None:
+                 arrival_time: float, eos_token_ids: frozenset[int], output_id: str) -> None:
         self.request_id = request_id
+        self.output_id = output_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -56,9 +57,10 @@ class OutputProcessor:
         return len(self._requests)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> None:
+            arrival_time: float, output_id: str | None = None) -> None:
+        """``output_id``: the id its outputs carry, when the core knows the request by another (``request_id``)."""
         self._requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, arrival_time,
-                                              self.eos_token_ids)
+                                              self.eos_token_ids, request_id if output_id is None else output_id)
 
     def abort(self, request_ids) -> None:
         for request_id in request_ids:
@@ -84,7 +86,7 @@ class OutputProcessor:
             if delta.error is not None:  # its step failed in the core: it ended there
                 del self._requests[request.request_id]
                 metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time, now)
-                outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
+                outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, [], True,
                                              metrics, delta.error))
                 continue
             completions = [c for c in (self._advance(request, s, stops) for s in delta.sequences) if c is not None]
@@ -95,7 +97,7 @@ class OutputProcessor:
                 del self._requests[request.request_id]
             metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time,
                                      now if finished else None)
-            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+            outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, completions,
                                          finished, metrics))
         return outputs, stops
 

@@ -8,7 +8,6 @@ import itertools
 import time
 from typing import Iterable, Protocol
 
-from pagedllm import errors
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import ProcessCoreClient
 from pagedllm.engine.front_end import AddDone, CoreEnded, FrontEnd, StepDone
@@ -64,8 +63,6 @@ class SyncEngineClient:
                     arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if self.front.tracks(request_id):
-            raise errors.InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.front.add([(request_id, text, token_ids, params)], time.time() if arrival_time is None else arrival_time)
         return request_id

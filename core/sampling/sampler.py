@@ -28,7 +28,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        logits = logits.to(torch.float32)
+        """The caller's logits are left as they are (bias and penalties work on a copy), so a batch whose sampling
+        raised can be sampled again request by request."""
+        if logits.dtype != torch.float32:
+            logits = logits.to(torch.float32)
+        elif any(r.params.logit_bias or r.params.needs_penalties for r in requests):
+            logits = logits.clone()
         want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
@@ -98,7 +103,7 @@ def _truncate(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     ranks = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([r.params.top_k or vocab for r in requests]).unsqueeze(1)
+    top_k = torch.tensor([min(r.params.top_k, vocab) or vocab for r in requests]).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype).unsqueeze(1)

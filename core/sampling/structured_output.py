@@ -15,10 +15,10 @@ those tokens, needs nothing. xgrammar is imported on first use: an engine that n
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import logging
 import re
-from typing import Any
 
 import torch
 
@@ -50,42 +50,80 @@ class GrammarState:
 
 
 class StructuredOutputManager:
-    """Compiles constraints (once per distinct one, least recently used dropped past ``cache_size``) and makes
-    matchers for them."""
+    """Compiles constraints on a thread of its own (xgrammar lets go of the GIL meanwhile, so steps go on), once
+    per distinct one (least recently used dropped past ``cache_size``), and makes matchers for them."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256,
+                 compile_timeout: float = 5.0, max_bytes: int = 65536) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
+        self.compile_timeout = compile_timeout
+        self.max_bytes = max_bytes
         self.num_compiled = 0
-        self._compiled: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[str, str], concurrent.futures.Future] = \
+            collections.OrderedDict()
         self._compiler = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def check_size(self, params: StructuredOutputsParams) -> None:
+        """Refuse a constraint too large to compile in good time (a schema, or thousands of choices)."""
+        size = len(params.key()[1].encode("utf-8"))
+        if size > self.max_bytes:
+            raise InvalidRequestError(f"the {params.kind} constraint has {size} bytes, more than the "
+                                      f"{self.max_bytes} allowed (--structured-outputs-max-bytes)",
+                                      param=STRUCTURED_OUTPUTS_PARAM)
+
+    def compile_async(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """The compiled grammar of ``params``, as a future (an already compiled one is done at once)."""
+        key = params.key()
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
+        future = self._pool.submit(self._compile, *key)
+        self.num_compiled += 1
+        self._compiled[key] = future
+        if len(self._compiled) > self.cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def compiled(self, future: concurrent.futures.Future, timeout: float | None = None):
+        """The grammar, or ``InvalidRequestError`` for a constraint that does not compile, or does not within the
+        compile timeout (waited for here when ``timeout`` is given, else the future must be done)."""
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self.timeout_error() from None
+
+    def timeout_error(self) -> InvalidRequestError:
+        return InvalidRequestError(f"the constraint did not compile within {self.compile_timeout:g} s "
+                                   f"(--structured-outputs-compile-timeout); simplify it",
+                                   param=STRUCTURED_OUTPUTS_PARAM)
 
     def new_state(self, params: StructuredOutputsParams, stop_ids: frozenset[int]) -> GrammarState:
-        """A fresh matcher for a sequence; ``stop_ids`` (its EOS and stop token ids) end the grammar. Raises
+        """A fresh matcher for a sequence, compiling (and waiting up to the compile timeout) if need be; raises
         ``InvalidRequestError`` naming the problem when the constraint does not compile."""
+        self.check_size(params)
+        return self.state_for(self.compiled(self.compile_async(params), self.compile_timeout), stop_ids)
+
+    @staticmethod
+    def state_for(compiled, stop_ids: frozenset[int]) -> GrammarState:
+        """A matcher of a compiled grammar; ``stop_ids`` (the sequence's EOS and stop token ids) end it."""
         import xgrammar as xgr
 
-        compiled = self.compile(params)
         if stop_ids:
             matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         else:  # ignore_eos without stop tokens: the sequence ends where the grammar does
             matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         return GrammarState(matcher)
 
-    def compile(self, params: StructuredOutputsParams):
-        key = params.key()
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            self._compiled.move_to_end(key)
-            return compiled
-        compiled = self._compile(*key)
-        self.num_compiled += 1
-        self._compiled[key] = compiled
-        if len(self._compiled) > self.cache_size:
-            self._compiled.popitem(last=False)
-        return compiled
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, kind: str, value: str):
         compiler = self._get_compiler()

@@ -3,10 +3,12 @@ for token in float32; two "nodes" over 127.0.0.1; a killed rank fails the engine
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from equality_support import GREEDY, build_references, token_ids
@@ -14,7 +16,6 @@ from tiny_models import kv_bytes_per_block
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu.tensor_parallel.executor import TensorParallelError
-from pagedllm.backends.cpu.tensor_parallel.launch import free_local_init_method
 from pagedllm.engine.arg_utils import from_cli_args
 from pagedllm.errors import ConfigError
 
@@ -70,7 +71,9 @@ def test_the_log_shows_each_rank(tiny_llama, pagedllm_logs):
 def test_two_nodes_over_loopback(tiny_model_dirs, references):
     """Node 1 runs its rank with the node command; node 0 runs the engine and rank 0."""
     prompts, expected = references["llama"]["plain"]
-    init = free_local_init_method()
+    with socket.socket() as s:  # a port nothing listens on yet, for node 0's rendezvous
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     node = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.backends.cpu.tensor_parallel.node", "-tp", "2", "--nnodes", "2",
          "--node-rank", "1", "--distributed-init-method", init], env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"})
@@ -195,3 +198,16 @@ def test_smollm2_three_ranks_equal_transformers(smollm2):
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+def test_ranks_on_one_machine_meet_through_a_file_and_loopback():
+    """No port is opened for the rendezvous of local ranks, and their gloo links stay on loopback."""
+    from pagedllm.backends.cpu.tensor_parallel.launch import local_init_method, rank_env, remove_local_rendezvous
+
+    init = local_init_method()
+    assert init.startswith("file://") and rank_env(init)["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "GLOO_SOCKET_IFNAME" not in rank_env("tcp://10.0.0.1:29500") or os.environ.get("GLOO_SOCKET_IFNAME")
+    folder = Path(init.removeprefix("file://")).parent
+    assert folder.is_dir()
+    remove_local_rendezvous(init)
+    assert not folder.exists()

@@ -145,3 +145,25 @@ def test_a_request_aborted_before_its_add_is_acknowledged_is_forgotten(engine):
 
     assert asyncio.run(run())["after-early"][-1].finished
     assert "early" not in engine._routes
+
+
+def test_a_request_id_can_be_reused_right_after_its_abort(engine, engine_args):
+    async def run():
+        stream = await engine.add([("reused", "Paris", SamplingParams(max_tokens=200, ignore_eos=True))])
+        await stream.__anext__()
+        stream.abort()
+        return await collect(await engine.add([("reused", PROMPTS[1], GREEDY)]))
+
+    outputs = asyncio.run(run())["reused"]
+    [expected] = LLM(**vars(engine_args)).generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected.token_ids
+
+
+def test_a_request_id_in_use_is_refused(engine):
+    async def run():
+        stream = await engine.add([("twice", "Paris", SamplingParams(max_tokens=50, ignore_eos=True))])
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await engine.add([("twice", "Paris", GREEDY)])
+        stream.abort()
+
+    asyncio.run(run())

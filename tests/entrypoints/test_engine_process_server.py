@@ -76,8 +76,8 @@ def test_a_sigint_to_the_whole_group_drains_too(start_server, tiny_llama_dir):
 
 
 @pytest.mark.parametrize("flags, logged", [
-    (["--max-log-len", "5"], "prompt 'Paris'"),
-    (["--disable-log-requests"], None),
+    (["--enable-log-requests", "--max-log-len", "5"], "prompt 'Paris'"),
+    ([], None),  # prompts are not logged unless asked, as in vLLM
 ])
 def test_request_log_lines(start_server, tiny_llama_dir, flags, logged):
     server = start_server(*server_args(tiny_llama_dir), *flags, env={"PAGEDLLM_LOGGING_LEVEL": "INFO"})

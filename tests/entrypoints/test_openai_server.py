@@ -79,18 +79,21 @@ def test_models_health_version(server, client):
 
 def test_tokenize_and_detokenize(server, tiny_llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    out = httpx.post(server.url + "/tokenize", json={"prompt": "Paris is the capital of"}).json()
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Paris"}).status_code == 401  # behind the key too
+    auth = {"Authorization": f"Bearer {KEY}"}
+    out = httpx.post(server.url + "/tokenize", json={"prompt": "Paris is the capital of"}, headers=auth).json()
     assert out["tokens"] == tokenizer("Paris is the capital of").input_ids
     assert out["count"] == len(out["tokens"]) and out["max_model_len"] == MAX_MODEL_LEN
     for add_generation_prompt in (True, False):
-        out = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES, "model": ALIAS,
-                                                         "add_generation_prompt": add_generation_prompt}).json()
+        out = httpx.post(server.url + "/tokenize", headers=auth, json={
+            "messages": MESSAGES, "model": ALIAS, "add_generation_prompt": add_generation_prompt}).json()
         text = tokenizer.apply_chat_template(MESSAGES, chat_template=CHAT_TEMPLATE, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
         assert text.startswith("system: You are terse.\n")
         assert out["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
     ids = tokenizer("The quick brown fox").input_ids
-    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": "The quick brown fox"}
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}, headers=auth).json() == {
+        "prompt": "The quick brown fox"}
 
 
 # -- parity with the offline API ----------------------------------------------------------------------------------

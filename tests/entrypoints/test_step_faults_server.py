@@ -5,6 +5,9 @@ PYTHONPATH registers it in both the server and its engine-core process): a faile
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import faulty_backend
 import httpx
 import openai
@@ -20,9 +23,10 @@ def start_faulty(start_server, tiny_llama_dir, tmp_path):
     faults = tmp_path / "faults"
     env = {"PYTHONPATH": faulty_backend.plugin_path(tmp_path / "plugin"), faulty_backend.FAULTS_ENV: str(faults)}
 
-    def start(*flags: str):
+    def start(*flags: str, env_extra: dict | None = None):
         server = start_server(str(tiny_llama_dir), "--backend", faulty_backend.NAME, "--dtype", "float32",
-                              "--max-model-len", "512", "--kv-cache-space", "0.01", *flags, env=env)
+                              "--max-model-len", "512", "--kv-cache-space", "0.01", *flags,
+                              env={**env, **(env_extra or {})})
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         return server, api, faults
 
@@ -49,13 +53,13 @@ def test_a_failed_step_fails_its_request_and_the_server_goes_on(start_faulty, mo
     faulty_backend.arm(faults)
     response = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "prompt": "Paris is", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-    assert_openai_error(response, 500, "injected fault")
+    assert_openai_error(response, 500, "InjectedFault")
     assert complete(api).choices[0].text == expected  # the same request again
 
     stream = complete(api, max_tokens=450, stream=True)  # long enough to be running when the fault is armed
     first = next(stream)
     faulty_backend.arm(faults)
-    with pytest.raises(openai.APIError, match="injected fault"):
+    with pytest.raises(openai.APIError, match="InjectedFault"):
         list(stream)
     assert first.choices[0].text == expected[:len(first.choices[0].text)]
 
@@ -78,8 +82,23 @@ def test_failures_in_a_row_kill_the_engine_and_serve_exits_1(start_faulty, mode)
     with pytest.raises(openai.InternalServerError) as second:  # in flight as the engine dies
         complete(api)
     assert second.value.status_code == 503
-    assert_openai_error(httpx.get(server.url + "/health"), 503, "injected fault")
+    assert_openai_error(httpx.get(server.url + "/health"), 503, "InjectedFault")
     assert server.proc.wait(60) == 1
     log = server.log()
     assert "a step failed (2 in a row, the engine stops at 2) running requests cmpl-" in log
     assert "InjectedFault: injected fault" in log
+
+
+def test_health_turns_503_while_a_step_hangs_and_back_after(start_faulty, tmp_path):
+    server, api, faults = start_faulty(env_extra={"VLLM_ENGINE_ITERATION_TIMEOUT_S": "1"})
+    faulty_backend.hang(faults, 5)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete, api)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health never said the engine is stalled"
+            time.sleep(0.2)
+        stalled = httpx.get(server.url + "/health")
+        assert stalled.status_code == 503 and "no progress" in stalled.json()["error"]["message"]
+        assert pending.result().choices[0].finish_reason == "length"  # the step ends; the request is served
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -80,6 +80,14 @@ def test_streamed_calls_equal_the_whole_response(name, size):
     assert streamed_calls == expected_calls and streamed_content == (content or "")
 
 
+def test_a_tool_call_nested_past_the_json_parser_stays_text():
+    """Deep nesting makes Python's JSON parser raise RecursionError: the block is not a call, whole or streamed."""
+    text = '<tool_call>{"name": "get_time", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    tools = calling("auto")
+    assert whole(tools, text) == (text, [], "stop")
+    assert streamed(tools, text, 4096) == (text, [])
+
+
 def test_cut_by_max_tokens():
     named = calling({"type": "function", "function": {"name": "get_weather"}})
     assert whole(named, '{"ci', "length") == (None, [{"name": "get_weather", "arguments": '{"ci'}], "length")

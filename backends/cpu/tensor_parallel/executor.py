@@ -9,10 +9,10 @@ same error.
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
-import pickle
 import subprocess
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
@@ -24,7 +24,7 @@ from pagedllm.backend import ModelInfo
 from pagedllm.backends.common.cpu_binding import ThreadPlan, format_cpu_list
 from pagedllm.backends.cpu.runner.sharding import check_shardable
 from pagedllm.backends.cpu.tensor_parallel import wire
-from pagedllm.backends.cpu.tensor_parallel.launch import exit_reason, start_rank
+from pagedllm.backends.cpu.tensor_parallel.launch import exit_reason, remove_local_rendezvous, start_rank
 from pagedllm.backends.cpu.tensor_parallel.worker import ERROR, OK
 from pagedllm.batch import Batch
 from pagedllm.errors import BackendDeadError
@@ -72,12 +72,12 @@ class TensorParallelExecutor:
         finally:
             child.close()
             os.close(logits_fd)
-        started = pickle.loads(self._reply())
+        started = json.loads(self._reply())
         self.ranks = started["ranks"]
         for r in self.ranks:
             logger.info("TP rank %d on %s: %s; weight shard %.1f MiB; %d KV heads", r["rank"], r["host"],
                         r["threads"], r["shard_bytes"] / 2**20, r["kv_heads"])
-        self.info: ModelInfo = started["info"]
+        self.info = ModelInfo(**started["info"])
         self.local_kv_heads = self.ranks[0]["kv_heads"]
         return self.info
 
@@ -115,6 +115,7 @@ class TensorParallelExecutor:
             except (TensorParallelError, OSError):
                 pass
         self._stop_all()
+        remove_local_rendezvous(self.init_method)
 
     # -- the pipe and the processes -----------------------------------------------------------
     def _command(self, head: np.ndarray, payload: bytes) -> int:

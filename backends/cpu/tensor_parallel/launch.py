@@ -9,23 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
-import sys
+import tempfile
+from pathlib import Path
 
 from pagedllm.backends.common.cpu_binding import ThreadPlan, plan_ranks
 from pagedllm.config import Setting
 from pagedllm.errors import ConfigError
+from pagedllm.utils import module_command
 
 DISTRIBUTED_INIT_METHOD = Setting(
     "distributed_init_method", str, None, "where the tensor-parallel ranks meet, tcp://HOST:PORT on node 0 "
-    "(needed with --nnodes above 1)", shown_default="a free port on 127.0.0.1")
+    "(needed with --nnodes above 1)", shown_default="a file on this machine (no port)")
 NNODES = Setting("nnodes", int, 1, "machines the tensor-parallel ranks span (each runs tensor-parallel-size / "
                  "nnodes ranks)")
 NODE_RANK = Setting("node_rank", int, 0, "this machine's place among --nnodes: 0 runs the engine, the others "
                     "`python -m pagedllm.backends.cpu.tensor_parallel.node`")
 NODE_COMMAND = "python -m pagedllm.backends.cpu.tensor_parallel.node"
+LOCAL_RENDEZVOUS_PREFIX = "pagedllm-tp-"
 
 
 def local_ranks(options: dict, *, reserve_for_server: bool = False) -> tuple[range, list[ThreadPlan]]:
@@ -46,11 +49,24 @@ def local_ranks(options: dict, *, reserve_for_server: bool = False) -> tuple[ran
     return range(node * per_node, (node + 1) * per_node), plans
 
 
-def free_local_init_method() -> str:
-    """A tcp:// address on this machine that nothing listens on yet (the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def local_init_method() -> str:
+    """The rendezvous of ranks that all run on this machine: a file in a folder of their own (torch's FileStore),
+    so no port is opened for it; the ranks' gloo links stay on loopback (``rank_env``)."""
+    return f"file://{tempfile.mkdtemp(prefix=LOCAL_RENDEZVOUS_PREFIX)}/rendezvous"
+
+
+def remove_local_rendezvous(init_method: str) -> None:
+    folder = Path(init_method.removeprefix("file://")).parent
+    if init_method.startswith("file://") and folder.name.startswith(LOCAL_RENDEZVOUS_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def rank_env(init_method: str) -> dict[str, str]:
+    """A rank's environment: gloo binds loopback when every rank is on this machine."""
+    env = dict(os.environ)
+    if init_method.startswith("file://"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
 
 
 def start_rank(rank: int, world_size: int, init_method: str, plan: ThreadPlan, *, model: dict | None = None,
@@ -60,8 +76,8 @@ def start_rank(rank: int, world_size: int, init_method: str, plan: ThreadPlan, *
     spec = {"rank": rank, "world_size": world_size, "init_method": init_method, "plan": dataclasses.asdict(plan),
             "model": model, "driver_fd": driver_fd, "logits_fd": logits_fd, "logits_shape": logits_shape}
     fds = tuple(fd for fd in (driver_fd, logits_fd) if fd is not None)
-    return subprocess.Popen([sys.executable, "-m", "pagedllm.backends.cpu.tensor_parallel.worker", json.dumps(spec)],
-                            pass_fds=fds, env=dict(os.environ))
+    return subprocess.Popen(module_command("pagedllm.backends.cpu.tensor_parallel.worker", json.dumps(spec)),
+                            pass_fds=fds, env=rank_env(init_method))
 
 
 def exit_reason(returncode: int) -> str:

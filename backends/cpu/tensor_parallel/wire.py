@@ -1,11 +1,15 @@
 """A step's commands as one fixed-size int64 header and one byte payload: the batch's flat arrays back to back,
-so that a step crosses to the tensor-parallel workers as two buffers (no pickled object per request).
+so that a step crosses to the tensor-parallel workers as two buffers (no pickled object per request). What the
+ranks exchange at start-up (the model's settings, each rank's report) crosses as JSON in byte tensors: no pickle,
+which would run whatever a peer on the rendezvous sent.
 
 The header says what the command is and every array's length; the payload holds the arrays in ``_BATCH_FIELDS``
 order, each at an 8-byte aligned offset so that the receiver views them in place.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 
@@ -72,3 +76,35 @@ def pack_copy_blocks(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, byte
 def unpack_copy_blocks(head: np.ndarray, payload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     pairs = payload.view(np.int64).reshape(2, int(head[1]))
     return pairs[0], pairs[1]
+
+
+def broadcast_json(value, src: int, group):
+    """Rank ``src``'s ``value`` (JSON-able) on every rank of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    data = json.dumps(value).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    if data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src, group=group)
+    return json.loads(buffer.numpy().tobytes())
+
+
+def all_gather_json(value, group=None) -> list:
+    """Every rank's ``value`` (JSON-able), in rank order, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(data)] = data
+    buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(buffers, padded, group=group)
+    return [json.loads(b[:int(s)].numpy().tobytes()) for b, s in zip(buffers, sizes)]

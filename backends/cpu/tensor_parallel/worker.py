@@ -9,11 +9,11 @@ the engine names the rank, and the other ranks' collectives fail when its connec
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
 import mmap
-import pickle
 import signal
 import socket
 import sys
@@ -69,9 +69,7 @@ class Worker:
         dist.init_process_group("gloo", init_method=spec["init_method"], rank=self.rank,
                                 world_size=self.world_size, timeout=STEP_TIMEOUT)
         self.commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        model = [spec.get("model")]
-        dist.broadcast_object_list(model, src=0, group=self.commands)
-        self.model = model[0]
+        self.model = wire.broadcast_json(spec.get("model"), src=0, group=self.commands)
 
     def load(self) -> None:
         m = self.model
@@ -84,10 +82,9 @@ class Worker:
         report = {"rank": self.rank, "host": socket.gethostname(), "threads": self.plan.describe(),
                   "shard_bytes": parameter_bytes(self.runner.model), "kv_heads": self.runner.local_kv_heads,
                   "attention": attention_path}
-        reports = [None] * self.world_size
-        dist.all_gather_object(reports, report)
-        if self.rank == 0:
-            self.conn.send_bytes(OK + pickle.dumps({"info": info, "ranks": reports}))  # once, at start
+        reports = wire.all_gather_json(report)
+        if self.rank == 0:  # once, at start
+            self.conn.send_bytes(OK + json.dumps({"info": dataclasses.asdict(info), "ranks": reports}).encode())
 
     def serve(self) -> None:
         """Run commands until SHUTDOWN."""

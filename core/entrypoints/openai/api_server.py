@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_text_fields,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.errors import QueueFullError
@@ -44,10 +46,11 @@ FLUSH_SECONDS = 5.0
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     source, engine_config = engine.engine.source, engine.engine.config
     model_names = config.served_model_names or [source.name]
-    prompts = PromptBuilder(load_tokenizer(source), engine_config.max_model_len, engine.engine.model_info.vocab_size,
-                            config.chat_template)
+    prompts = PromptBuilder(lambda: load_tokenizer(source), engine_config.max_model_len,
+                            engine.engine.model_info.vocab_size, config.chat_template,
+                            config.max_prompts_per_request)
     ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser,
-                         log_requests=not config.disable_log_requests)
+                         log_requests=config.log_requests)
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())
@@ -68,6 +71,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if engine.dead is not None:
             raise engine.dead
+        stalled = engine.stalled_for(config.iteration_timeout)
+        if stalled is not None:
+            raise OpenAIError(503, f"the engine has made no progress for {stalled:.0f} s with requests in flight "
+                                   f"(a step or a tensor-parallel collective hangs; VLLM_ENGINE_ITERATION_TIMEOUT_S "
+                                   f"is {config.iteration_timeout:g})", code="engine_stalled")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -81,7 +89,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": started, "owned_by": "pagedllm", "root": str(source.path),
+            {"id": name, "object": "model", "created": started, "owned_by": "pagedllm", "root": source.name,
              "parent": None, "max_model_len": engine_config.max_model_len} for name in model_names]}
 
     @app.post("/v1/completions")
@@ -95,13 +103,16 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         ctx.check_model(body.model)
+        check_text_fields(body)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give either prompt or messages", param="prompt")
         if body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            prompt = prompts.encode(body.prompt, add_special_tokens=add_special)
+            prompts.check_length(body.prompt, "prompt")
+            prompt = await prompts.run(prompts.encode, body.prompt, add_special_tokens=add_special)
         else:
-            prompt = prompts.chat_prompt(body.messages, body, add_special_tokens=bool(body.add_special_tokens))
+            prompt = await prompts.run(prompts.chat_prompt, body.messages, body,
+                                       add_special_tokens=bool(body.add_special_tokens))
         token_ids = prompt["prompt_token_ids"]
         return JSONResponse({"count": len(token_ids), "max_model_len": engine_config.max_model_len,
                              "tokens": token_ids})
@@ -112,7 +123,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         vocab = engine.engine.model_info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise OpenAIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": prompts.tokenizer.decode(body.tokens)})
+        if len(body.tokens) > engine_config.max_model_len:
+            raise OpenAIError(400, f"tokens has {len(body.tokens)} token ids, more than max_model_len "
+                                   f"{engine_config.max_model_len}", param="tokens")
+        return JSONResponse({"prompt": await prompts.run(lambda: prompts.tokenizer.decode(body.tokens))})
 
     return app
 
@@ -126,7 +140,9 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(engine, config)
         log_level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
         server = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_SECONDS),
+                                                timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_SECONDS,
+                                                limit_concurrency=config.limit_concurrency,
+                                                timeout_keep_alive=config.timeout_keep_alive),
                                  engine, config.shutdown_timeout)
 
         def engine_died(error: EngineDeadError) -> None:
@@ -142,6 +158,10 @@ def run_server(args: argparse.Namespace) -> int:
                     "%s)", names, config.host, config.port, "required" if config.api_key else "off",
                     config.max_request_size,
                     "in its own process" if config.engine_process else "on a thread of this process")
+        if not config.api_key and not _is_loopback(config.host):
+            logger.warning("listening on %s without an API key: anyone who can reach this port can use the model; "
+                           "pass --api-key (or PAGEDLLM_API_KEY) unless a proxy in front checks who calls",
+                           config.host)
         server.run()
     finally:
         engine.shutdown()
@@ -171,6 +191,13 @@ class _DrainingServer(uvicorn.Server):
             logger.warning("--shutdown-timeout passed: ending the %d requests still in flight with an error",
                            in_flight)
         self.engine.shutdown()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _daemon_timer(seconds: float, action) -> None:

@@ -31,9 +31,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = body.sampling_params(max_tokens, body.num_logprobs, constraint)
     if tools is not None and tools.mode == "auto" and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # as vLLM: hermes models may mark <tool_call> special, the parser needs it
-    prompt = ctx.prompts.chat_prompt(body.messages, tools.template_fields(body) if tools is not None else body)
+    prompt = await ctx.prompts.run(ctx.prompts.chat_prompt, body.messages,
+                                   tools.template_fields(body) if tools is not None else body)
     ctx.prompts.max_tokens(prompt, max_tokens, body.max_tokens_param)
-    response_id, stream = await ctx.start("chatcmpl", [prompt], params, constraint_field)
+    response_id, stream = await ctx.start("chatcmpl", [prompt], params, constraint_field,
+                                          fields={"logprobs": "top_logprobs"})
     num_prompt_tokens = len(prompt["prompt_token_ids"])
     header = {"id": response_id, "created": created(), "model": model}
     if body.stream:

@@ -11,6 +11,7 @@ from pagedllm.engine.arg_utils import add_cli_args
 from pagedllm.errors import ConfigError
 
 API_KEY_ENVS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
+ITERATION_TIMEOUT_ENVS = ("PAGEDLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_ENGINE_ITERATION_TIMEOUT_S")
 DEFAULT_MAX_REQUEST_SIZE = 10 * 1024 * 1024
 TOOL_CALL_PARSERS = ("hermes",)  # tool_calls.py reads each
 
@@ -32,8 +33,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="Jinja chat template (a file, or the template itself) replacing the model's")
     server.add_argument("--max-log-len", type=int, default=None,
                         help="most prompt characters and token ids logged per request (default: all)")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="a log line per request with its prompt and settings (off by default, as in vLLM: "
+                             "prompts may be private)")
     server.add_argument("--disable-log-requests", action="store_true",
-                        help="no log line per request (by default each request's prompt and settings are logged)")
+                        help="no log line per request (the default; kept for vLLM's older flag)")
     server.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="run the scheduler and the model in an engine-core process of their own, apart from "
                              "the HTTP server's (default); --no-engine-process runs them on a thread of the "
@@ -41,6 +45,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-request-size", type=int, default=DEFAULT_MAX_REQUEST_SIZE, metavar="BYTES",
                         help=f"largest request body accepted; larger ones get a 413 "
                              f"(default {DEFAULT_MAX_REQUEST_SIZE}, 10 MiB)")
+    server.add_argument("--max-prompts-per-request", type=int, default=1024, metavar="N",
+                        help="most prompts in one /v1/completions request (a list of prompts); more get a 400 "
+                             "(default 1024)")
+    server.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
+                        help="most connections served at once; uvicorn answers 503 beyond (default 1024)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="how long an idle keep-alive connection stays open (default 5)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they end with an error; "
                              "also how long a server whose engine died answers 503 before it exits 1 (default 30)")
@@ -61,29 +72,47 @@ class ServerConfig:
     served_model_names: list[str] | None = None  # None: the model's name
     chat_template: str | None = None  # the template text, already read from its file
     max_log_len: int | None = None
-    disable_log_requests: bool = False
+    log_requests: bool = False
+    max_prompts_per_request: int = 1024
+    limit_concurrency: int = 1024
+    timeout_keep_alive: float = 5.0
     engine_process: bool = True
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice
+    iteration_timeout: float = 60.0  # /health answers 503 after this long without a step while requests run
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, environ=None) -> "ServerConfig":
         environ = os.environ if environ is None else environ
         api_key = args.api_key or next((environ[e] for e in API_KEY_ENVS if environ.get(e)), None)
+        raw_timeout = next((environ[e] for e in ITERATION_TIMEOUT_ENVS if environ.get(e)), "60")
+        try:
+            iteration_timeout = float(raw_timeout)
+        except ValueError:
+            raise ConfigError(f"VLLM_ENGINE_ITERATION_TIMEOUT_S={raw_timeout!r} is not a number of seconds") from None
         if args.max_request_size < 1:
             raise ConfigError(f"--max-request-size must be a positive number of bytes, got {args.max_request_size}")
         if args.max_log_len is not None and args.max_log_len < 0:
             raise ConfigError(f"--max-log-len must be 0 or more, got {args.max_log_len}")
+        for flag, value in (("--max-prompts-per-request", args.max_prompts_per_request),
+                            ("--limit-concurrency", args.limit_concurrency)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if args.timeout_keep_alive <= 0:
+            raise ConfigError(f"--timeout-keep-alive must be more than 0 seconds, got {args.timeout_keep_alive}")
         if args.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
         return cls(host=args.host, port=args.port, api_key=api_key, served_model_names=args.served_model_name,
                    chat_template=load_chat_template(args.chat_template), max_log_len=args.max_log_len,
-                   disable_log_requests=args.disable_log_requests, engine_process=args.engine_process,
+                   log_requests=args.enable_log_requests and not args.disable_log_requests,
+                   max_prompts_per_request=args.max_prompts_per_request, limit_concurrency=args.limit_concurrency,
+                   timeout_keep_alive=args.timeout_keep_alive, engine_process=args.engine_process,
                    max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout,
-                   tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                   tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                   iteration_timeout=iteration_timeout)
 
 
 def load_chat_template(value: str | None) -> str | None:

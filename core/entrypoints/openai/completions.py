@@ -25,7 +25,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     model = ctx.check_model(body.model)
     constraint, constraint_field = body.structured_outputs_params()
     params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
-    prompts = ctx.prompts.completion_prompts(body.prompt)
+    prompts = await ctx.prompts.run(ctx.prompts.completion_prompts, body.prompt)
     for prompt in prompts:
         ctx.prompts.max_tokens(prompt, body.max_tokens, "max_tokens")
     response_id, stream = await ctx.start("cmpl", prompts, params, constraint_field)

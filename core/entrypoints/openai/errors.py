@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.async_llm import EngineDeadError, RequestFailedError
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import InvalidRequestError, client_message
 
 logger = logging.getLogger("pagedllm.server")
 RETRY_AFTER_SECONDS = 1  # a queue drains at the pace of steps: soon worth another try
@@ -98,4 +98,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error serving %s", request.url.path)
-        return error_response(500, f"internal server error: {exc!r}")
+        return error_response(500, f"internal server error: {client_message(exc)}")

@@ -9,16 +9,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import body_too_large, body_too_large_message, error_response
 
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on paths under /v1 (as vLLM does; /health, /metrics stay open)."""
+    """Requires ``Authorization: Bearer <key>`` on the model's endpoints: under /v1, /tokenize and /detokenize
+    (/health, /metrics and /version stay open, as vLLM's do: supervisors and scrapers poll them)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.response_format import StructuredOutputFields
 from pagedllm.entrypoints.openai.tool_calls import ToolFields
-from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams, check_text
 
 # Fields a client may send with a value that asks for nothing: accepted and ignored.
 _NO_OP_VALUES: dict[str, list[Any]] = {
@@ -23,6 +23,19 @@ _NO_OP_VALUES: dict[str, list[Any]] = {
     "best_of": [1],
 }
 LOGIT_BIAS_LIMIT = 100.0
+
+
+def check_text_fields(body: BaseModel) -> None:
+    """A 400 naming the field for text that is not valid Unicode (a lone surrogate, which JSON can carry): the
+    tokenizer and the engine's messages cannot take it."""
+    for name, value in {**body.__dict__, **(body.model_extra or {})}.items():
+        check_text(value.model_dump() if isinstance(value, BaseModel) else _dumped(value), name)
+
+
+def _dumped(value):
+    if isinstance(value, list):
+        return [v.model_dump() if isinstance(v, BaseModel) else v for v in value]
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -58,6 +71,7 @@ class _GenerationRequest(StructuredOutputFields):
     skip_special_tokens: bool | None = None
 
     def check_supported(self, endpoint: str) -> None:
+        check_text_fields(self)
         unsupported = [name for name, value in (self.model_extra or {}).items()
                        if value is not None and value not in _NO_OP_VALUES.get(name, [])]
         if unsupported:

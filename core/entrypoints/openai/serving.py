@@ -33,7 +33,7 @@ class ServingContext:
     model_names: list[str]
     max_log_len: int | None = None
     tool_call_parser: str | None = None  # set when auto tool choice is on
-    log_requests: bool = True
+    log_requests: bool = False
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -45,9 +45,11 @@ class ServingContext:
         return requested
 
     async def start(self, kind: str, prompts: list[dict], params: SamplingParams,
-                    constraint_field: str | None = None) -> tuple[str, OutputStream]:
+                    constraint_field: str | None = None,
+                    fields: dict[str, str] | None = None) -> tuple[str, OutputStream]:
         """Queue one engine request per prompt (all or none); ``InvalidRequestError`` if the engine refuses one
-        (a constraint that does not compile is blamed on ``constraint_field``, the request field it came from)."""
+        (a constraint that does not compile is blamed on ``constraint_field``, the request field it came from;
+        ``fields`` renames other engine parameters to the request's own fields)."""
         response_id = f"{kind}-{uuid.uuid4().hex}"
         self._log(response_id, prompts, params)
         try:
@@ -55,6 +57,8 @@ class ServingContext:
         except InvalidRequestError as exc:
             if constraint_field is not None and exc.param == STRUCTURED_OUTPUTS_PARAM:
                 raise OpenAIError(400, f"{constraint_field}: {exc}", param=constraint_field) from None
+            if fields and exc.param in fields:  # the request's own name of the engine's parameter
+                raise OpenAIError(400, str(exc), param=fields[exc.param]) from None
             raise
         return response_id, stream
 

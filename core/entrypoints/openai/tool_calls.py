@@ -300,14 +300,16 @@ class _HermesStream(ToolCallStream):
                 deltas.append(call)
 
     def _call(self, body: str) -> dict | None:
+        """A tool call's header, or None when the block is not one; JSON nested too deep for Python's parser (a
+        model can write any text) is not one either."""
         try:
             parsed = json.loads(body)
-        except json.JSONDecodeError:
+            if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+                return None
+            arguments = parsed.get("arguments", parsed.get("parameters", {}))
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        except (json.JSONDecodeError, RecursionError):
             return None
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-            return None
-        arguments = parsed.get("arguments", parsed.get("parameters", {}))
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         self.num_calls += 1
         return _header(self.num_calls - 1, parsed["name"], arguments)
 
