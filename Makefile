@@ -29,6 +29,8 @@ install-test: install
 	$(PIP) install -e ".[test]"
 
 # The second pass runs the ISA-dependent tests as the other kind of CPU (AVX2-only <-> AVX512_BF16/AMX).
+# Both passes share transformers' answers for the tiny models (tests/tiny_models.py, hf_greedy).
+test: export PAGEDLLM_TEST_ORACLE_CACHE = $(CURDIR)/build/test-oracle
 test: install-test
 	$(PYTHON) -m pytest
 	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTHON) -m pytest -m cpu_isa

@@ -6,6 +6,9 @@ depend on the context, and a wrong attention shows up as different tokens.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
 import zlib
 from pathlib import Path
@@ -95,8 +98,36 @@ def kv_bytes_per_block(arch: str, block_size: int = 16, element_size: int = 4) -
     return 2 * c.num_hidden_layers * kv_heads * block_size * head_dim * element_size
 
 
+ORACLE_CACHE_ENV = "PAGEDLLM_TEST_ORACLE_CACHE"
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The oracle: transformers' own generate, one prompt at a time (no padding), float32, no EOS stop."""
+    """The oracle: transformers' own generate, one prompt at a time (no padding), float32, no EOS stop.
+
+    With PAGEDLLM_TEST_ORACLE_CACHE set (``make test`` sets it), answers are kept there by the hash of the model's
+    files, the prompts and transformers' version: the second pass, as the other kind of CPU, checks the backend
+    against the same answers without computing them again."""
+    cache = os.environ.get(ORACLE_CACHE_ENV)
+    if not cache:
+        return _hf_greedy(model_dir, prompts, max_new_tokens)
+    import transformers
+
+    digest = hashlib.sha256(json.dumps([prompts, max_new_tokens, transformers.__version__]).encode())
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    entry = Path(cache) / f"{digest.hexdigest()}.json"
+    if entry.is_file():
+        return json.loads(entry.read_text())
+    outs = _hf_greedy(model_dir, prompts, max_new_tokens)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(outs))
+    tmp.rename(entry)
+    return outs
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -77,8 +77,7 @@ def test_a_sigint_to_the_whole_group_drains_too(start_server, tiny_llama_dir):
 
 @pytest.mark.parametrize("flags, logged", [
     (["--enable-log-requests", "--max-log-len", "5"], "prompt 'Paris'"),
-    ([], None),  # prompts are not logged unless asked, as in vLLM
-])
+])  # without the flag no prompt is logged: test_hostile_requests.py
 def test_request_log_lines(start_server, tiny_llama_dir, flags, logged):
     server = start_server(*server_args(tiny_llama_dir), *flags, env={"PAGEDLLM_LOGGING_LEVEL": "INFO"})
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
