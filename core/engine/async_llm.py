@@ -233,13 +233,14 @@ class AsyncLLMEngine:
                     continue
                 self.stats = event.stats  # counters first: a client that has its output sees them updated
                 deliveries, latencies = self._route(event.outputs, event.time)
-            for loop, items in deliveries.items():
-                _call_soon(loop, _deliver, items)
-            if self.on_step is not None and event.outputs:
+            on_step = self.on_step
+            if on_step is not None and event.outputs:  # before the outputs: a caller that has them sees the metrics
                 try:
-                    self.on_step(latencies)
+                    on_step(latencies)
                 except Exception:
                     logger.exception("on_step failed; the step's outputs are delivered all the same")
+            for loop, items in deliveries.items():
+                _call_soon(loop, _deliver, items)
 
     def _added(self, event: AddDone) -> None:
         add: _Add = event.context

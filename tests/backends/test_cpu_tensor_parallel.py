@@ -177,10 +177,10 @@ def test_smollm2_three_ranks_equal_transformers(smollm2):
 
     new_tokens = 16
     block_bytes = 2 * 30 * 1 * 16 * 64 * 4  # layers x (3 KV heads / 3 ranks) x block x head size x float32, K and V
-    llm = LLM(dtype="float32", max_model_len=128, kv_cache_space=10 * block_bytes / 2**30, tensor_parallel_size=3,
+    llm = LLM(dtype="float32", max_model_len=96, kv_cache_space=6 * block_bytes / 2**30, tensor_parallel_size=3,
               cpu_omp_threads_bind="nobind", enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8)
     try:
-        assert llm.engine.num_blocks == 10
+        assert llm.engine.num_blocks == 6  # one 96-token sequence fits, the three prompts together do not
         questions = ["Tell me about Paris", "Write a haiku about the sea.", "Why is the sky blue?"]
         prompts = [llm.apply_chat_template([{"role": "user", "content": q}])["prompt_token_ids"] for q in questions]
         ref = AutoModelForCausalLM.from_pretrained(smollm2.hf_dir, dtype=torch.float32)
