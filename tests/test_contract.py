@@ -45,11 +45,11 @@ def test_a_backend_setting_resolves_flag_then_vllm_env_then_default():
     def options(args, environ):
         return resolve(args, backend_settings=OpenVINOBackend.settings, environ=environ).backend_options
 
-    assert options(EngineArgs(), {}) == {"quantize_weights": "none", "cpu_omp_threads_bind": "auto",
-                                         "tensor_parallel_size": 1}
+    assert options(EngineArgs(), {}) == {"quantization": "auto", "quantize_weights": "none",
+                                         "cpu_omp_threads_bind": "auto", "tensor_parallel_size": 1}
     env = {"VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS": "ON", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    assert options(EngineArgs(), env) == {"quantize_weights": "int8", "cpu_omp_threads_bind": "0-1",
-                                          "tensor_parallel_size": 1}
+    assert options(EngineArgs(), env) == {"quantization": "auto", "quantize_weights": "int8",
+                                          "cpu_omp_threads_bind": "0-1", "tensor_parallel_size": 1}
     flag = EngineArgs(backend_options={"quantize_weights": "none"})
     assert options(flag, env)["quantize_weights"] == "none"
     with pytest.raises(ConfigError, match="VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS: quantize_weights 'int4'"):

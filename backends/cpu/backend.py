@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends.common import cpu_features
 from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
+from pagedllm.backends.common.quantization import QUANTIZATION
 from pagedllm.backends.cpu.tensor_parallel.launch import (
     DISTRIBUTED_INIT_METHOD,
     NNODES,
@@ -82,7 +83,8 @@ class CPUBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES, NODE_RANK)
+    settings = (QUANTIZATION, THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES,
+                NODE_RANK)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
@@ -99,6 +101,7 @@ class CPUBackend(Backend):
             self.thread_plan = self.rank_plans[0]
         else:
             self.thread_plan = plan_threads(options["cpu_omp_threads_bind"], reserve_for_server=config.serving)
+        self.quantization = _quantization(options["quantization"], model.kind)
         self.runner: ModelRunner | TensorParallelExecutor | None = None
 
     def load_model(self) -> ModelInfo:
@@ -125,7 +128,8 @@ class CPUBackend(Backend):
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
-                                  ThreadBinder(self.thread_plan, kernels), kernels, residual)
+                                  ThreadBinder(self.thread_plan, kernels), kernels, residual,
+                                  quantization=self.quantization, gguf_file=self._gguf_file())
         return self.runner.load()
 
     def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
@@ -138,13 +142,17 @@ class CPUBackend(Backend):
                 logger.warning("%s", warning)
         model = {"model_dir": str(self.model.hf_dir), "dtype": _name(self.dtype), "cache_kind": self.cache_kind,
                  "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
-                 "attention_mode": attention_mode()}
+                 "attention_mode": attention_mode(), "quantization": self.quantization,
+                 "gguf_file": self._gguf_file()}
         self.runner = TensorParallelExecutor(model, options["tensor_parallel_size"], self.rank_plans,
                                              options["distributed_init_method"] or local_init_method(),
                                              self.config.max_num_seqs)
         info = self.runner.load()
         self.attention_path = self.runner.ranks[0]["attention"]
         return info
+
+    def _gguf_file(self) -> str | None:
+        return str(self.model.path) if self.model.kind == "gguf" else None
 
     def check_block_size(self, block_size: int) -> None:
         if block_size > MAX_BLOCK_SIZE:
@@ -188,6 +196,20 @@ class CPUBackend(Backend):
         if self.runner is not None and self.tensor_parallel:
             self.runner.shutdown()
         self.runner = None
+
+
+def _quantization(requested: str, model_kind: str) -> str:
+    """--quantization resolved for the cpu backend (see runner/quantization.py): auto is gguf for a GGUF file and
+    none otherwise; int4 is q4_0."""
+    if requested == "auto":
+        return "gguf" if model_kind == "gguf" else "none"
+    if requested == "gguf" and model_kind != "gguf":
+        raise ConfigError("--quantization gguf keeps a GGUF file's quantized tensors, and this model is a Hugging "
+                          "Face folder: use --quantization q8_0, q4_0 or int8 to quantize it at load")
+    if requested == "int4":
+        logger.info("--quantization int4: the cpu backend's 4-bit weights are q4_0 (GGUF's blocks of 32)")
+        return "q4_0"
+    return requested
 
 
 def _name(dtype: torch.dtype) -> str:

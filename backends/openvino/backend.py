@@ -17,6 +17,7 @@ from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends.common import cpu_features
 from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND
 from pagedllm.backends.common.memory import tcmalloc_loaded
+from pagedllm.backends.common.quantization import QUANTIZATION
 from pagedllm.backends.openvino.precision import Precision, choose_precision, cpu_capabilities
 from pagedllm.batch import Batch
 from pagedllm.config import EngineConfig, Setting
@@ -45,7 +46,7 @@ class OpenVINOBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_OPENVINO_KVCACHE_SPACE", "VLLM_OPENVINO_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_OPENVINO_CPU_KV_CACHE_PRECISION", "VLLM_OPENVINO_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (QUANTIZE_WEIGHTS, THREADS_BIND, TENSOR_PARALLEL_SIZE)
+    settings = (QUANTIZATION, QUANTIZE_WEIGHTS, THREADS_BIND, TENSOR_PARALLEL_SIZE)
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -58,11 +59,12 @@ class OpenVINOBackend(Backend):
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
-        self.quantize_weights = config.backend_options["quantize_weights"]
+        self.quantize_weights = _weight_compression(config.backend_options["quantization"],
+                                                    config.backend_options["quantize_weights"])
         if model.kind == "openvino" and self.quantize_weights != "none":
             raise ConfigError(
                 f"{model.path} is an OpenVINO export, used as is: its weights cannot be compressed again. Drop "
-                f"--quantize-weights (and VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS), or export it with "
+                f"--quantization/--quantize-weights (and VLLM_OPENVINO_ENABLE_QUANTIZED_WEIGHTS), or export it with "
                 f"`optimum-cli export openvino --weight-format int8`")
         self.precision: Precision | None = None
         self.inference_precision = ""
@@ -122,7 +124,7 @@ class OpenVINOBackend(Backend):
             return self.model.path
         from pagedllm.backends.openvino.export_cache import exported_model
 
-        weight_format = "int8" if self.quantize_weights == "int8" else "fp32"
+        weight_format = self.quantize_weights if self.quantize_weights in ("int8", "int4") else "fp32"
         return exported_model(self.model.hf_dir, self.model.name, weight_format)
 
     def check_block_size(self, block_size: int) -> None:
@@ -156,13 +158,24 @@ class OpenVINOBackend(Backend):
         if self.model.kind == "openvino":
             weights = "weights as in the export folder"
         else:
-            weights = "int8 weights (NNCF)" if self.quantize_weights == "int8" else "fp32 weights"
+            weights = (f"{self.quantize_weights} weights (NNCF)" if self.quantize_weights in ("int8", "int4")
+                       else "fp32 weights")
         return (f"OpenVINO CPU, inference {self.inference_precision}, KV cache {self.kv_cache.element_type} "
                 f"(blocks of {self.kv_cache.block_size}), {weights}, {self.threads_applied}")
 
     def shutdown(self) -> None:
         self.request = None
         self.kv_cache = None
+
+
+def _weight_compression(quantization: str, quantize_weights: str) -> str:
+    """NNCF's weight compression for --quantization (int8, int4), else --quantize-weights."""
+    if quantization in ("auto", "none"):
+        return quantize_weights if quantization == "auto" else "none"
+    if quantization in ("int8", "int4"):
+        return quantization
+    raise ConfigError(f"--quantization {quantization} is a cpu-backend format (GGUF blocks); the openvino backend "
+                      f"compresses weights with NNCF: use --quantization int8 or int4, or --backend cpu")
 
 
 def _importable(module: str) -> bool:

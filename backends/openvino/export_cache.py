@@ -37,7 +37,7 @@ def package_versions() -> dict[str, str]:
 
 
 def export_dir(hf_dir: Path, name: str, weight_format: str) -> Path:
-    """Where the export of ``hf_dir`` in ``weight_format`` (fp32 | int8) lives in the cache."""
+    """Where the export of ``hf_dir`` in ``weight_format`` (fp32 | int8 | int4) lives in the cache."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in hf_dir.iterdir() if p.is_file())
     raw = json.dumps([str(hf_dir.resolve()), files, weight_format, package_versions(), RECIPE_VERSION])
     key = hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -50,9 +50,9 @@ def exported_model(hf_dir: Path, name: str, weight_format: str) -> Path:
     if (out / MARKER).is_file():
         logger.info("reusing the cached OpenVINO export %s (no export needed)", out)
         return out
-    if weight_format == "int8":
+    if weight_format in ("int8", "int4"):
         fp32 = exported_model(hf_dir, name, "fp32")
-        _build_once(out, f"int8 weights for {name}", lambda tmp: _compress_int8(fp32, tmp))
+        _build_once(out, f"{weight_format} weights for {name}", lambda tmp: _compress(fp32, tmp, weight_format))
     else:
         _build_once(out, f"OpenVINO export of {name}", lambda tmp: _export_fp32(hf_dir, tmp))
     return out
@@ -118,16 +118,26 @@ def _export_fp32(hf_dir: Path, out: Path) -> None:
         raise RuntimeError(f"optimum-intel exported no {MODEL_XML} for {hf_dir}")
 
 
-def _compress_int8(fp32_dir: Path, out: Path) -> None:
-    """NNCF int8 (asymmetric, per channel) weight compression of the fp32 IR; the other files are copied."""
-    with _stage_bar("int8 weights", 3) as stage:
+def _compress(fp32_dir: Path, out: Path, weight_format: str) -> None:
+    """NNCF weight compression of the fp32 IR: int8 asymmetric per channel, or int4 asymmetric in groups of 128
+    (optimum-cli's default; NNCF adjusts the group of a layer whose width 128 does not divide); the other files are
+    copied."""
+    with _stage_bar(f"{weight_format} weights", 3) as stage:
         stage("reading the fp32 IR")
         import nncf
         import openvino as ov
 
         model = ov.Core().read_model(fp32_dir / MODEL_XML)
         stage("compressing weights with NNCF")
-        model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        if weight_format == "int8":
+            model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        else:
+            from nncf.quantization.advanced_parameters import AdvancedCompressionParameters
+
+            model = nncf.compress_weights(
+                model, mode=nncf.CompressWeightsMode.INT4_ASYM, group_size=128, ratio=1.0,
+                advanced_parameters=AdvancedCompressionParameters(
+                    group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
         stage("saving")
         ov.save_model(model, out / MODEL_XML, compress_to_fp16=False)
     for path in fp32_dir.iterdir():

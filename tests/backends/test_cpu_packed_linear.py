@@ -29,7 +29,7 @@ def test_packed_linear_matches_nn_linear(bias, rows):
     model = torch.nn.Sequential(torch.nn.Linear(96, 40, bias=bias), torch.nn.GELU(), torch.nn.Linear(40, 24, bias=bias))
     x = torch.randn(1, rows, 96)
     expected = model(x)
-    assert use_packed_linears(model) == {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 2}
+    assert use_packed_linears(model) == {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 2}
     assert isinstance(model[0], PackedLinear) and isinstance(model[2], PackedLinear)
     assert model[0].weight.is_mkldnn  # the plain weight is gone, not kept beside the packed one
     got = model(x)
@@ -44,7 +44,7 @@ def test_a_tied_head_keeps_the_embedding_weight():
     model = torch.nn.ModuleDict({"embed": embed, "head": head})
     ids = torch.tensor([[3, 7, 11]])
     expected = model["head"](model["embed"](ids))
-    assert use_packed_linears(model) == {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 1}
+    assert use_packed_linears(model) == {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 1}
     assert isinstance(model["head"], PackedLinear)
     torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-5, rtol=1e-5)
     assert not model["embed"].weight.is_mkldnn
@@ -64,7 +64,7 @@ def test_bf16_layers_are_packed_where_the_cpu_has_avx512(rows):
 @pytest.mark.skipif(can_pack(torch.bfloat16), reason="this CPU packs bf16 weights")
 def test_bf16_layers_keep_nn_linear_without_avx512():
     model = torch.nn.Sequential(torch.nn.Linear(8, 4).to(torch.bfloat16))
-    assert use_packed_linears(model, kernels) == {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     assert type(model[0]) is torch.nn.Linear
 
 
@@ -82,7 +82,7 @@ def test_brgemm_linear_matches_nn_linear_in_bf16(bias, rows, in_features, out_fe
     model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16))
     x = torch.randn(2, rows, in_features).to(torch.bfloat16)
     expected = model(x)
-    assert use_packed_linears(model, kernels) == {"brgemm": 1, "brgemm+silu": 0, "oneDNN": 0}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 1, "brgemm+silu": 0, "oneDNN": 0}
     assert isinstance(model[0], BrgemmLinear)
     assert model[0].weight.shape != (out_features, in_features)  # the plain weight is gone
     got = model(x)
@@ -107,7 +107,7 @@ def test_inputs_wider_than_brgemms_limit_stay_with_onednn():
     """A down projection of a 1B-class model (thousands wide) runs faster through oneDNN's input blocking."""
     model = torch.nn.Sequential(torch.nn.Linear(MAX_BRGEMM_IN_FEATURES, 8).to(torch.bfloat16),
                                 torch.nn.Linear(MAX_BRGEMM_IN_FEATURES + 2, 8).to(torch.bfloat16))
-    assert use_packed_linears(model, kernels) == {"brgemm": 1, "brgemm+silu": 0, "oneDNN": 1}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 1, "brgemm+silu": 0, "oneDNN": 1}
     assert isinstance(model[0], BrgemmLinear) and isinstance(model[1], PackedLinear)
 
 
@@ -115,7 +115,7 @@ def test_inputs_wider_than_brgemms_limit_stay_with_onednn():
 def test_odd_input_widths_and_float32_stay_with_onednn():
     """brgemm takes pairs of bf16 along the input; float32 layers keep oneDNN's packing."""
     model = torch.nn.Sequential(torch.nn.Linear(9, 16).to(torch.bfloat16), torch.nn.Linear(16, 8))
-    assert use_packed_linears(model, kernels) == {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 2}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 2}
     assert isinstance(model[0], PackedLinear) and isinstance(model[1], PackedLinear)
 
 
@@ -127,7 +127,7 @@ def test_a_tied_bf16_head_keeps_the_embedding_weight():
     model = torch.nn.ModuleDict({"embed": embed, "head": head})
     ids = torch.tensor([[3, 7, 11]])
     expected = model["head"](model["embed"](ids))
-    assert use_packed_linears(model, kernels) == {"brgemm": 1, "brgemm+silu": 0, "oneDNN": 0}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 1, "brgemm+silu": 0, "oneDNN": 0}
     torch.testing.assert_close(model["head"](model["embed"](ids)), expected, atol=1e-2, rtol=1e-2)
     assert model["embed"].weight.shape == (50, 16)
 
@@ -146,7 +146,7 @@ def test_gate_up_with_silu_and_mul_fused_equals_the_two_steps_bit_for_bit(bias, 
     expected = kernels.silu_and_mul(both[..., :width], both[..., width:])
     setattr(gate_up, SWIGLU_GATE_UP, True)
     model = torch.nn.Sequential(gate_up)
-    assert use_packed_linears(model, kernels) == {"brgemm": 0, "brgemm+silu": 1, "oneDNN": 0}
+    assert use_packed_linears(model, kernels) == {"quantized": 0, "brgemm": 0, "brgemm+silu": 1, "oneDNN": 0}
     assert isinstance(model[0], BrgemmSiluAndMul) and model[0].fuses_silu_and_mul
     got = model[0](x)
     assert got.shape == (2, rows, width)

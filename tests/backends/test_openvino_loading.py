@@ -90,6 +90,16 @@ def test_quantizing_an_export_folder_is_refused(cli_folder):
         make_llm(cli_folder, quantize_weights="int8")
 
 
+def test_quantization_flag_means_nncf_compression(tiny_llama, int8_tokens):
+    """--quantization int8 is --quantize-weights int8; int4 is NNCF int4 in groups of 128 (adjusted where 128 does
+    not divide); the cpu backend's GGUF formats are refused with what to use."""
+    assert token_ids(make_llm(tiny_llama, quantization="int8")) == int8_tokens
+    int4 = make_llm(tiny_llama, quantization="int4")
+    assert "int4 weights (NNCF)" in int4.engine.backend.describe() and len(token_ids(int4)) == len(PROMPTS)
+    with pytest.raises(ConfigError, match="use --quantization int8 or int4"):
+        make_llm(tiny_llama, quantization="q4_0")
+
+
 def test_stateless_export_is_refused(tiny_llama, tmp_path):
     from optimum.exporters.openvino import main_export
     from optimum.intel import OVConfig

@@ -32,6 +32,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
                           int64_t out_features, bool float_output);
 at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
                                        const c10::optional<at::Tensor>& bias, int64_t width);
+bool quantized_linear_int8_simd();
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                            const at::Tensor& offsets, int64_t bits, int64_t group,
+                            const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations);
+at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                             int64_t bits, int64_t group, bool bf16);
 
 namespace py = pybind11;
 
@@ -60,5 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_silu_and_mul_bf16", &linear_silu_and_mul_bf16,
         "silu(gate) * up of x's gate and up projections, over a weight packed with their blocks alternating",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("width"));
+  m.def("quantized_linear_int8_simd", &quantized_linear_int8_simd,
+        "whether the int8 dot products use AVX512_VNNI (else AVX2's vpmaddubsw or scalar code)");
+  m.def("quantized_linear", &quantized_linear, "x @ W.T + bias over a block-quantized weight (w = scale * u + offset)",
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("bias"), py::arg("float_output") = false, py::arg("int8_activations") = true);
+  m.def("dequantize_weight", &dequantize_weight, "a block-quantized weight as a dense [N, K] float32 or bf16 tensor",
+        py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("bf16") = false);
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }

@@ -16,6 +16,8 @@ import torch
 from pagedllm.backends.cpu.layers import attention
 from pagedllm.backends.cpu.layers.module_swap import INSIDE_FUSED_LAYER, code_of
 from pagedllm.backends.cpu.layers.packed_linear import SWIGLU_GATE_UP
+from pagedllm.backends.cpu.layers.quant_formats import concatenate
+from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
 
 RESIDUAL_DTYPES = ("float32", "model")
 
@@ -43,14 +45,22 @@ def _qualifies(layer: torch.nn.Module, llama: dict) -> bool:
 
 
 def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
-    """One nn.Linear whose output is the given layers' outputs side by side."""
+    """One nn.Linear whose output is the given layers' outputs side by side (their quantized weights concatenated
+    when they carry some)."""
     first = linears[0]
+    weights = [quantized_weight(lin) for lin in linears]
+    quantized = all(weight is not None for weight in weights)
     fused = torch.nn.Linear(first.in_features, sum(lin.out_features for lin in linears),
-                            bias=first.bias is not None, dtype=first.weight.dtype)
+                            bias=first.bias is not None, dtype=first.weight.dtype,
+                            device="meta" if quantized else None)
     with torch.no_grad():
-        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if quantized:
+            attach(fused, concatenate(weights))
+        else:
+            fused.weight.copy_(torch.cat([lin.weight if w is None else w.dequantize().to(lin.weight.dtype)
+                                          for lin, w in zip(linears, weights)]))
         if first.bias is not None:
-            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+            fused.bias = torch.nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
     return fused
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.backends.common import cpu_features
+from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, quantized_weight
 from pagedllm.utils import cdiv
 
 # oneDNN picks its blocking for this many rows; decode batches are where the packing pays.
@@ -117,22 +118,27 @@ def float32_logits(model: torch.nn.Module) -> bool:
     """Let a brgemm LM head return its float32 sums: the sampler wants float32, and rounding 49k logits to bf16
     first costs a copy per step and ties tokens whose logits differ by less than bf16's step."""
     head = model.get_output_embeddings()
-    if not isinstance(head, BrgemmLinear):
+    if not isinstance(head, (BrgemmLinear, QuantizedLinear)):
         return False
     head.float_output = True
     return True
 
 
 def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
-    """Swap every plain nn.Linear of the model for a BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul
-    for a SwiGLU's gate and up, marked with SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype
-    here; returns how many of each ("brgemm", "brgemm+silu", "oneDNN")."""
+    """Swap every plain nn.Linear of the model for a QuantizedLinear where it carries a quantized weight, a
+    BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul for a SwiGLU's gate and up, marked with
+    SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype here; returns how many of each
+    ("quantized", "brgemm", "brgemm+silu", "oneDNN")."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
-    counts = {"brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
+    counts = {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
         linear = model.get_submodule(name)
-        if can_brgemm(linear, kernels):
+        if (weight := quantized_weight(linear)) is not None:
+            int8 = linear.weight.dtype == torch.bfloat16  # bf16 models take int8 dot products, float32 exact ones
+            model.set_submodule(name, QuantizedLinear(weight, linear.bias, kernels, int8))
+            counts["quantized"] += 1
+        elif can_brgemm(linear, kernels):
             fused = getattr(linear, SWIGLU_GATE_UP, False)
             model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
             counts["brgemm+silu" if fused else "brgemm"] += 1

@@ -21,14 +21,19 @@ from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.runner.architectures import check_supported
 from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
+from pagedllm.backends.cpu.runner.quantization import quantize_linears
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.batch import Batch
 
 logger = logging.getLogger("pagedllm.cpu")
-LINEAR_KINDS = {"brgemm": "bf16 through brgemm tiles",
+LINEAR_KINDS = {"quantized": "on quantized weights",
+                "brgemm": "bf16 through brgemm tiles",
                 "brgemm+silu": "SwiGLU gate/up through brgemm tiles with SiLU-and-multiply",
                 "oneDNN": "packed for oneDNN"}
+# How the quantized linears take their dot products, by whether the model runs in bf16 (see quantized_linear.py).
+QUANTIZED_DOTS = {True: "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
+                  False: "dequantize their weights to float32 in the kernel (float32 dot products)"}
 
 
 class ModelRunner:
@@ -38,8 +43,10 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
-                 rank: Rank | None = None) -> None:
+                 rank: Rank | None = None, quantization: str = "none", gguf_file: str | None = None) -> None:
         self.model_dir = model_dir
+        self.quantization = quantization  # resolved: "none", "gguf", "q8_0", "q4_0" or "int8"
+        self.gguf_file = gguf_file
         self.dtype = dtype
         self.residual_dtype = residual_dtype or dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
@@ -61,6 +68,11 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
         self.model.eval()
+        quantization = self.quantization
+        if quantization != "none" and self.kernels is None:
+            logger.warning("quantized weights need the C++ kernels, which are not in use: running dense weights")
+            quantization = "none"
+        logger.info("%s", quantize_linears(self.model, quantization, self.gguf_file))
         if self.rank is not None:
             shard_model(self.model, self.rank)
         layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
@@ -69,9 +81,10 @@ class ModelRunner:
                         layers, str(self.residual_dtype).removeprefix("torch."))
         packed = use_packed_linears(self.model, self.kernels)
         head_in_float32 = float32_logits(self.model)
-        logger.info("linear layers: %s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
-                                                     if count) or "nn.Linear",
-                    "; the LM head returns float32 logits" if head_in_float32 else "")
+        logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
+                                                       if count) or "nn.Linear",
+                    "; the LM head returns float32 logits" if head_in_float32 else "",
+                    f"; quantized ones {QUANTIZED_DOTS[self.dtype == torch.bfloat16]}" if packed["quantized"] else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",

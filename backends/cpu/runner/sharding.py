@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight, concatenate
+from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
 from pagedllm.errors import ConfigError
 from pagedllm.utils import cdiv
 
@@ -55,12 +57,8 @@ class RowParallel(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, rank: Rank) -> None:
         super().__init__()
         start, end = rank.slice(linear.in_features)
-        self.linear = torch.nn.Linear(end - start, linear.out_features, bias=linear.bias is not None and rank.rank == 0,
-                                      dtype=linear.weight.dtype)
-        with torch.no_grad():
-            self.linear.weight.copy_(linear.weight[:, start:end])
-            if self.linear.bias is not None:
-                self.linear.bias.copy_(linear.bias)
+        self.linear = _sliced(linear, (slice(None), slice(start, end)), bias=rank.rank == 0,
+                              quantized=lambda w: w.columns(start, end))
         self.group = rank.group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,11 +70,28 @@ class RowParallel(torch.nn.Module):
 def column_parallel(linear: torch.nn.Linear, rank: Rank) -> torch.nn.Linear:
     """The rows of this rank's output features (its heads or MLP columns)."""
     start, end = rank.slice(linear.out_features)
-    part = torch.nn.Linear(linear.in_features, end - start, bias=linear.bias is not None, dtype=linear.weight.dtype)
+    return _sliced(linear, slice(start, end), bias=True, quantized=lambda w: w.rows(slice(start, end)))
+
+
+def _sliced(linear: torch.nn.Linear, index, bias: bool, quantized) -> torch.nn.Linear:
+    """A new nn.Linear holding ``linear.weight[index]`` (its quantized weight through ``quantized``), with the bias
+    sliced as the rows are when ``bias`` (else none)."""
+    weight = quantized_weight(linear)
+    shape = torch.empty(linear.weight.shape, device="meta")[index].shape
+    rows = index if isinstance(index, slice) else index[0]
+    part = torch.nn.Linear(shape[1], shape[0], bias=bias and linear.bias is not None, dtype=linear.weight.dtype,
+                           device="meta" if weight is not None else None)
     with torch.no_grad():
-        part.weight.copy_(linear.weight[start:end])
-        if linear.bias is not None:
-            part.bias.copy_(linear.bias[start:end])
+        if weight is not None:
+            try:
+                attach(part, quantized(weight))
+            except ValueError as exc:
+                raise ConfigError(f"this --tensor-parallel-size splits quantized weights inside their blocks ({exc}): "
+                                  "use another size, or --quantization none") from exc
+        else:
+            part.weight.copy_(linear.weight[index])
+        if part.bias is not None:
+            part.bias = torch.nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
     return part
 
 
@@ -105,13 +120,19 @@ class VocabParallelHead(torch.nn.Module):
     def __init__(self, head: torch.nn.Linear, start: int, chunk: int, vocab: int, rank: Rank) -> None:
         super().__init__()
         end = min(start + chunk, vocab)
-        self.linear = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype)
+        weight = quantized_weight(head)
+        self.linear = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype,
+                                      device="meta" if weight is not None else None)
         with torch.no_grad():
-            self.linear.weight.zero_()
-            self.linear.weight[:end - start].copy_(head.weight[start:end])
+            if weight is not None:  # the padding rows score zero: zero values, scales and offsets
+                padding = _zero_rows(weight, chunk - end + start)
+                attach(self.linear, concatenate([weight.rows(slice(start, end)), padding]))
+            else:
+                self.linear.weight.zero_()
+                self.linear.weight[:end - start].copy_(head.weight[start:end])
             if head.bias is not None:
-                self.linear.bias.zero_()
-                self.linear.bias[:end - start].copy_(head.bias[start:end])
+                self.linear.bias = torch.nn.Parameter(F.pad(head.bias[start:end], (0, chunk - end + start)),
+                                                      requires_grad=False)
         self.vocab, self.rank = vocab, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +143,12 @@ class VocabParallelHead(torch.nn.Module):
         parts = [torch.empty_like(local) for _ in range(self.rank.world_size)]
         dist.gather(local, parts, dst=0, group=self.rank.group)
         return torch.cat(parts, dim=-1)[..., :self.vocab]
+
+
+def _zero_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
+    return dataclasses.replace(weight, values=weight.values.new_zeros(rows, weight.values.shape[1]),
+                               scales=weight.scales.new_zeros(rows, weight.scales.shape[1]),
+                               offsets=weight.offsets.new_zeros(rows, weight.offsets.shape[1]))
 
 
 def shard_model(model: torch.nn.Module, rank: Rank) -> None:

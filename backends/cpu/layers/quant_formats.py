@@ -1,0 +1,184 @@
+"""Block-quantized weights in the one layout the quantized kernels read (csrc/quantized_linear.cpp): every weight is
+``scale * u + offset``, ``u`` an unsigned 4-bit or 8-bit value, with a float32 scale and offset per group of 16 or
+32 inputs of an output row. GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks repack into it without loss (the
+values they dequantize to are the same floats), and weights quantized at load (q8_0, q4_0, int8) are made in it.
+
+``dequantize`` is the pure torch reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+CHUNK = 32  # inputs per 4-bit chunk of 16 bytes: byte i holds input i (low nibble) and input i + 16 (high)
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZE_FORMATS = ("q8_0", "q4_0", "int8")
+_SUPER = 256  # inputs per K-quant super-block
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    values: torch.Tensor  # uint8 [out, in * bits / 8]
+    scales: torch.Tensor  # float32 [out, in / group]
+    offsets: torch.Tensor  # float32 [out, in / group]
+    bits: int
+    group: int
+    format: str  # where it came from: "Q4_K", "q8_0", ...
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.offsets))
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32, in torch."""
+        u = unpack_values(self.values, self.bits).float()
+        scales = self.scales.repeat_interleave(self.group, dim=1)
+        offsets = self.offsets.repeat_interleave(self.group, dim=1)
+        return u * scales + offsets
+
+    def rows(self, index: slice | torch.Tensor) -> QuantizedWeight:
+        """The given output rows (a tensor-parallel rank's share, or a permutation)."""
+        return dataclasses.replace(self, values=self.values[index].contiguous(), scales=self.scales[index].contiguous(),
+                                   offsets=self.offsets[index].contiguous())
+
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Inputs start..end (whole chunks and groups: a row-parallel rank's share)."""
+        if start % CHUNK or end % CHUNK:
+            raise ValueError(f"inputs {start}..{end} do not split the weight at whole chunks of {CHUNK}")
+        bytes_per = self.bits / 8
+        return dataclasses.replace(
+            self, values=self.values[:, int(start * bytes_per):int(end * bytes_per)].contiguous(),
+            scales=self.scales[:, start // self.group:end // self.group].contiguous(),
+            offsets=self.offsets[:, start // self.group:end // self.group].contiguous())
+
+    def widened(self, bits: int, group: int) -> QuantizedWeight:
+        """The same weights with more bits per value or smaller groups (to concatenate with another format)."""
+        if bits == self.bits and group == self.group:
+            return self
+        values = self.values if bits == self.bits else pack_values(unpack_values(self.values, self.bits), bits)
+        repeat = self.group // group
+        return dataclasses.replace(self, values=values, bits=bits, group=group,
+                                   scales=self.scales.repeat_interleave(repeat, dim=1),
+                                   offsets=self.offsets.repeat_interleave(repeat, dim=1))
+
+
+def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Output rows of several weights stacked, in the widest layout among them (the fused q/k/v or gate/up)."""
+    bits, group = max(w.bits for w in weights), min(w.group for w in weights)
+    same = [w.widened(bits, group) for w in weights]
+    formats = sorted({w.format for w in weights})
+    return QuantizedWeight(torch.cat([w.values for w in same]), torch.cat([w.scales for w in same]),
+                           torch.cat([w.offsets for w in same]), bits, group, "+".join(formats))
+
+
+def unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [out, in] from the packed values."""
+    if bits == 8:
+        return values
+    chunks = values.reshape(values.shape[0], -1, CHUNK // 2)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=-1).reshape(values.shape[0], -1)
+
+
+def pack_values(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """The packed form of uint8 values [out, in] (each below 2**bits)."""
+    if bits == 8:
+        return u.to(torch.uint8).contiguous()
+    chunks = u.to(torch.uint8).reshape(u.shape[0], -1, CHUNK)
+    return (chunks[..., :CHUNK // 2] | (chunks[..., CHUNK // 2:] << 4)).reshape(u.shape[0], -1).contiguous()
+
+
+def _weight(u: np.ndarray, scales: np.ndarray, offsets: np.ndarray, rows: int, bits: int, group: int,
+            fmt: str) -> QuantizedWeight:
+    u = torch.from_numpy(np.ascontiguousarray(u)).reshape(rows, -1)
+    return QuantizedWeight(pack_values(u, bits), torch.from_numpy(scales.astype(np.float32)).reshape(rows, -1),
+                           torch.from_numpy(offsets.astype(np.float32)).reshape(rows, -1), bits, group, fmt)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's eight 6-bit scales and minimums per super-block, from their 12 bytes."""
+    packed = packed.reshape(-1, 3, 4)
+    d, m, low = packed[:, 0], packed[:, 1], packed[:, 2]
+    scale = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    minimum = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale.astype(np.float32), minimum.astype(np.float32)
+
+
+def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> QuantizedWeight:
+    """A GGUF tensor's blocks ([rows, bytes per row] uint8, as GGUFReader gives them) in the kernels' layout."""
+    if type_name not in GGUF_FORMATS:
+        raise ValueError(f"GGUF type {type_name} is not one the quantized kernels run ({', '.join(GGUF_FORMATS)})")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1)
+    if type_name == "Q8_0":
+        b = blocks.reshape(-1, 34)
+        d = _half(b[:, :2])
+        u = b[:, 2:] ^ np.uint8(0x80)  # int8 x as x + 128
+        return _weight(u, d, -128 * d, rows, 8, 32, type_name)
+    if type_name in ("Q4_0", "Q4_1"):
+        size = 18 if type_name == "Q4_0" else 20
+        b = blocks.reshape(-1, size)
+        d = _half(b[:, :2])
+        offset = -8 * d if type_name == "Q4_0" else _half(b[:, 2:4])
+        packed = b[:, size - 16:]
+        u = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        return _weight(u, d, offset, rows, 4, 32, type_name)
+    if type_name in ("Q4_K", "Q5_K"):
+        size = 144 if type_name == "Q4_K" else 176
+        b = blocks.reshape(-1, size)
+        d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
+        scale, minimum = _k_scale_min(b[:, 4:16])
+        qs = b[:, size - 128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        u = (qs & 0x0F).reshape(-1, 8, 32)
+        if type_name == "Q5_K":
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            u = u | ((qh & 1) << 4)
+        return _weight(u, d * scale, -(dmin * minimum), rows, 4 if type_name == "Q4_K" else 8, 32, type_name)
+    # Q6_K: 6-bit values, signed around 32, with an int8 scale per 16 inputs.
+    b = blocks.reshape(-1, 210)
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _half(b[:, 208:210])
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
+    scale = d * scales.copy().view(np.int8).astype(np.float32)
+    return _weight(u, scale, -32 * scale, rows, 8, 16, type_name)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """A float weight [out, in] (in a multiple of 32) quantized at load: q8_0 and q4_0 as GGUF's quantizer rounds
+    them, int8 as symmetric per-output-row int8 (vLLM CPU's W8A8 weights)."""
+    w = weight.detach().float()
+    rows, k = w.shape
+    if k % CHUNK:
+        raise ValueError(f"{k} inputs are not whole blocks of {CHUNK}")
+    blocks = w.reshape(rows, -1, CHUNK)
+    if fmt in ("q8_0", "int8"):
+        amax = blocks.abs().amax(-1, keepdim=True) if fmt == "q8_0" else w.abs().amax(-1).reshape(rows, 1, 1)
+        d = amax / 127
+        scaled = blocks * torch.where(d == 0, 0, 1 / d)
+        q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp(-127, 127)  # C's roundf, as GGUF's
+        if fmt == "q8_0":
+            d = d.half().float()  # GGUF stores the block scale in float16
+        d = d.expand(rows, k // CHUNK, 1).reshape(rows, -1)
+        u = (q + 128).to(torch.uint8).reshape(rows, k)
+        return QuantizedWeight(pack_values(u, 8), d.contiguous(), (-128 * d).contiguous(), 8, CHUNK, fmt)
+    if fmt == "q4_0":
+        index = blocks.abs().argmax(-1, keepdim=True)
+        d = torch.gather(blocks, -1, index) / -8
+        u = torch.trunc(blocks * torch.where(d == 0, 0, 1 / d) + 8.5).clamp(0, 15).to(torch.uint8).reshape(rows, k)
+        d = d.half().float().reshape(rows, -1)
+        return QuantizedWeight(pack_values(u, 4), d.contiguous(), (-8 * d).contiguous(), 4, CHUNK, fmt)
+    raise ValueError(f"unknown quantization {fmt!r}: use one of {', '.join(QUANTIZE_FORMATS)}")

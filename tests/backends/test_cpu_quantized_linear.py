@@ -1,0 +1,177 @@
+"""Quantized weights on the cpu backend: GGUF's blocks repacked without loss (against gguf's own dequantize), the
+kernels against the pure torch reference on every ISA kind, and whole models quantized at load equal to
+transformers running the same dequantized weights, token for token in float32 (one process and two ranks)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tiny_models import hf_greedy, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu.layers import quant_formats as qf
+from pagedllm.backends.cpu.runner.kernels import load_kernels
+from pagedllm.errors import ConfigError
+
+ROWS = [1, 3, 4, 5, 16]
+
+
+def gguf_blocks(type_name: str, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """A GGUF tensor's raw blocks: gguf's own quantizer where it has one, else random bits with sane scales."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        return gguf.quants.quantize(rng.standard_normal((rows, in_features)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, in_features // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    scale = (rng.standard_normal((blocks.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        blocks[:, 208:210] = scale
+    else:  # d and dmin
+        blocks[:, 0:2] = scale
+        blocks[:, 2:4] = scale
+    return raw
+
+
+def gguf_dequantized(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(values.reshape(rows, in_features).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module, _ = load_kernels("kernel")
+    return module
+
+
+@pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
+def test_gguf_blocks_repack_without_loss(type_name):
+    raw = gguf_blocks(type_name, 8, 512)
+    weight = qf.from_gguf(raw, type_name, 8, 512)
+    torch.testing.assert_close(weight.dequantize(), gguf_dequantized(raw, type_name, 8, 512), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantized_at_load_as_gguf_quantizes(fmt):
+    w = torch.randn(16, 256)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    expected = gguf_dequantized(raw, fmt.upper(), 16, 256)
+    torch.testing.assert_close(qf.quantize(w, fmt).dequantize(), expected, rtol=0, atol=0)
+
+
+def test_int8_is_symmetric_per_row():
+    w = torch.randn(8, 64)
+    weight = qf.quantize(w, "int8")
+    scale = w.abs().amax(-1, keepdim=True) / 127
+    torch.testing.assert_close(weight.dequantize(), torch.round(w / scale) * scale, rtol=1e-6, atol=1e-7)
+
+
+def test_rows_columns_widening_and_concatenation_keep_the_values():
+    a = qf.from_gguf(gguf_blocks("Q4_K", 6, 512), "Q4_K", 6, 512)
+    b = qf.from_gguf(gguf_blocks("Q6_K", 4, 512, seed=1), "Q6_K", 4, 512)
+    both = qf.concatenate([a, b])
+    assert (both.bits, both.group, both.format) == (8, 16, "Q4_K+Q6_K")
+    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    torch.testing.assert_close(a.rows(torch.tensor([5, 0])).dequantize(), a.dequantize()[[5, 0]])
+    torch.testing.assert_close(a.columns(64, 256).dequantize(), a.dequantize()[:, 64:256])
+    with pytest.raises(ValueError, match="whole chunks"):
+        a.columns(16, 256)
+
+
+def int8_reference(x: torch.Tensor, weight: qf.QuantizedWeight) -> torch.Tensor:
+    """What the int8 path computes: x quantized per 32 inputs to int8 for the scaled part, its exact sums for the
+    offsets' part."""
+    chunks = x.float().reshape(x.shape[0], -1, 32)
+    d = chunks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(chunks * torch.where(d > 0, 1 / d, 0)) * d
+    u = qf.unpack_values(weight.values, weight.bits).float()
+    scaled = u * weight.scales.repeat_interleave(weight.group, dim=1)
+    offsets = weight.offsets.repeat_interleave(weight.group, dim=1)
+    return q.reshape(x.shape) @ scaled.T + x.float() @ offsets.T
+
+
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
+    """Both dot-product paths, rows in and across the kernel's tiles of 4, an input width of 3 chunks of 32 (odd
+    pairs), a bias, float32 and bf16 output."""
+    in_features = 768 if type_name.endswith("_K") else 96
+    raw = gguf_blocks(type_name, 40, in_features)
+    weight = qf.from_gguf(raw, type_name, 40, in_features)
+    dense = gguf_dequantized(raw, type_name, 40, in_features)
+    bias = torch.randn(40)
+    args = (weight.values, weight.scales, weight.offsets, weight.bits, weight.group, bias)
+    assert torch.equal(kernels.dequantize_weight(*args[:5], False), weight.dequantize())
+    assert torch.equal(kernels.dequantize_weight(*args[:5], True), weight.dequantize().bfloat16())
+    for rows in ROWS:
+        x = torch.randn(rows, in_features).to(dtype)
+        exact = x.float() @ dense.T + bias
+        got = kernels.quantized_linear(x, *args, float_output=True, int8_activations=False)
+        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+        got = kernels.quantized_linear(x, *args, float_output=True, int8_activations=True)
+        expected = int8_reference(x, weight) + bias
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        rounded = kernels.quantized_linear(x, *args, float_output=False, int8_activations=True)
+        assert rounded.dtype == dtype
+        torch.testing.assert_close(rounded.float(), got.to(dtype).float(), rtol=0, atol=0)
+
+
+def dequantized_copy(model_dir, out_dir, fmt: str):
+    """The model with its linears' weights replaced by what quantization at load makes of them, dequantized
+    (the head as runner/quantization.py treats it): transformers' view of the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                kind = ("q8_0" if fmt != "int8" else None) if module is head else fmt
+                if kind is not None:
+                    module.weight.copy_(qf.quantize(module.weight, kind).dequantize())
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([1, 9, 33, 70], seed=4)
+
+
+def greedy(llm, prompts, tokens=12):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "int8"])
+def test_quantized_at_load_equals_transformers_on_the_same_weights(tiny_llama, tmp_path, prompts, fmt):
+    """Prefix caching and chunked prefill on, float32 (the exact dot products)."""
+    expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / fmt, fmt), prompts, 12)
+    llm = LLM(str(tiny_llama), dtype="float32", quantization=fmt, max_model_len=256, kv_cache_space=0.05,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4)
+    assert greedy(llm, prompts) == expected
+
+
+def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts):
+    expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / "q8_0", "q8_0"), prompts, 12)
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="q8_0", tensor_parallel_size=2, max_model_len=256,
+              kv_cache_space=0.05)
+    assert greedy(llm, prompts) == expected
+
+
+def test_bf16_runs_int8_dot_products_close_to_float32(tiny_llama, prompts):
+    """bf16 models take the int8 path: the first tokens agree with the float32 path's."""
+    exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="q8_0", max_model_len=256,
+                       kv_cache_space=0.05), prompts, 4)
+    fast = greedy(LLM(str(tiny_llama), dtype="bfloat16", quantization="q8_0", max_model_len=256,
+                      kv_cache_space=0.05), prompts, 4)
+    assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_llama):
+    with pytest.raises(ConfigError, match="q8_0, q4_0 or int8"):
+        LLM(str(tiny_llama), quantization="gguf", max_model_len=256, kv_cache_space=0.05)
