@@ -43,20 +43,30 @@ def test_gguf_tokenizer_matches_the_model(llm):
     assert tok.decode(tok("Numbers 12345 and café ✓").input_ids) == "Numbers 12345 and café ✓"
 
 
-def test_greedy_equals_transformers_float32(llm, source):
+@pytest.fixture(scope="module")
+def prompts(llm):
+    chats = [llm.apply_chat_template([{"role": "user", "content": p}])["prompt_token_ids"] for p in PROMPTS]
+    return [*chats, llm.tokenizer("Once upon a time").input_ids]
+
+
+@pytest.fixture(scope="module")
+def expected(source, prompts):
+    """transformers' greedy continuations (it dequantizes the GGUF to float32)."""
     from transformers import AutoModelForCausalLM
 
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}])["prompt_token_ids"] for p in PROMPTS]
-    prompts.append(llm.tokenizer("Once upon a time").input_ids)
     ref = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32)
     ref.generation_config.eos_token_id = None
-    expected = []
+    outs = []
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
             y = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
                              pad_token_id=2)
-            expected.append(y[0, len(ids):].tolist())
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def test_greedy_equals_transformers_float32(llm, prompts, expected):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
@@ -64,6 +74,22 @@ def test_greedy_equals_transformers_float32(llm, source):
     hits = llm.engine.kv_manager.prefix_cache.hits
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.engine.kv_manager.prefix_cache.hits > hits
+
+
+def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected):
+    """--quantization gguf: the file's Q4_1 and Q8_0 tensors kept as they are (float32 dot products over them),
+    chunked prefill in chunks of 24 tokens and prefix caching on."""
+    from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+
+    quantized = LLM(dtype="float32", quantization="gguf", max_model_len=1024, kv_cache_space=0.5,
+                    enable_prefix_caching=True, max_num_batched_tokens=24, max_num_seqs=4)
+    layers = [m for m in quantized.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    # q/k/v and gate/up fused: 30 layers x 4 Q4_1 linears, and the head tied to the Q8_0 embedding
+    assert sorted({(m.format, m.bits) for m in layers}) == [("Q4_1", 4), ("Q8_0", 8)] and len(layers) == 121
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second run from the prefix cache
+        assert [o.token_ids for o in quantized.generate(prompts, params, use_tqdm=False)] == expected
+    quantized.shutdown()
 
 
 def test_cli_generate_end_to_end(llm):

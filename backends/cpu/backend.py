@@ -199,10 +199,11 @@ class CPUBackend(Backend):
 
 
 def _quantization(requested: str, model_kind: str) -> str:
-    """--quantization resolved for the cpu backend (see runner/quantization.py): auto is gguf for a GGUF file and
-    none otherwise; int4 is q4_0."""
+    """--quantization resolved for the cpu backend (see runner/quantization.py): auto is none (dense weights) until
+    batches above quantized_linear.SMALL_ROWS rows run as fast on quantized weights as on dense ones (see
+    docs/quantization.md); int4 is q4_0."""
     if requested == "auto":
-        return "gguf" if model_kind == "gguf" else "none"
+        return "none"
     if requested == "gguf" and model_kind != "gguf":
         raise ConfigError("--quantization gguf keeps a GGUF file's quantized tensors, and this model is a Hugging "
                           "Face folder: use --quantization q8_0, q4_0 or int8 to quantize it at load")

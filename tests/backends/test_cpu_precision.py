@@ -52,6 +52,12 @@ def test_bf16_agrees_with_float32(float32_run):
     assert agreement(make_llm(dtype="bfloat16"), prompts, continuations) >= BF16_FLOOR
 
 
+def test_its_own_q4_1_blocks_in_bf16_agree_with_float32(float32_run):
+    """--quantization gguf under bf16: int8 activations per 32 inputs over the file's Q4_1 and Q8_0 blocks."""
+    prompts, continuations, _ = float32_run
+    assert agreement(make_llm(dtype="bfloat16", quantization="gguf"), prompts, continuations) >= BF16_FLOOR
+
+
 def test_u8_kv_cache_agrees_and_holds_1_8x_the_blocks_of_bf16(float32_run):
     prompts, continuations, fp32_blocks = float32_run
     u8 = make_llm(dtype="float32", kv_cache_dtype="u8")

@@ -1,10 +1,10 @@
 """Which linear layers run on quantized weights, and where those come from (--quantization):
 
 - ``gguf``: a GGUF file's quantized tensors as they are (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), as llama.cpp runs
-  them; ``auto`` means this for a GGUF file and ``none`` for a Hugging Face folder;
+  them;
 - ``q8_0`` / ``q4_0``: float weights quantized at load into GGUF's block formats (the same kernels);
 - ``int8``: symmetric per-output-row int8 weights with int8 activations (vLLM CPU's W8A8);
-- ``none``: the dense weights (a GGUF file dequantized, as before).
+- ``none`` (and ``auto``, for now): the dense weights (a GGUF file dequantized).
 
 Called after the model loads and before it is sharded, fused and packed, which carry the quantized weights along.
 """
