@@ -192,25 +192,36 @@ struct ChunkDot {
   }
 };
 
+// Two accumulators per row, for even and odd chunks: one chain of dependent FMAs would bound a row to a chunk per
+// FMA latency.
 template <int R>
-void int8_rows(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, float* result) {
+struct Int8Rows {
+static void run(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, float* result) {
   const uint8_t* column = w.values + n * w.row_bytes();
   const float* scales = w.scales + n * w.groups;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < act.chunks; ++j) {
+  __m256 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  const auto step = [&](int64_t j, __m256* sums) {
     const ChunkDot chunk(load_chunk(w, column, j), w.bits == 8);
     const __m256 ws = chunk_scales(w, scales, j);
     for (int r = 0; r < R; ++r) {
       const int64_t c = (r0 + r) * act.chunks + j;
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q.data() + c * kChunk));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk.with(a)), _mm256_mul_ps(ws, _mm256_set1_ps(act.scale[c])),
-                               acc[r]);
+      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk.with(a)), _mm256_mul_ps(ws, _mm256_set1_ps(act.scale[c])),
+                                sums[r]);
     }
+  };
+  int64_t j = 0;
+  for (; j + 1 < act.chunks; j += 2) {
+    step(j, even);
+    step(j + 1, odd);
   }
+  if (j < act.chunks) step(j, even);
   for (int r = 0; r < R; ++r)
-    result[r] = hsum(acc[r]) + offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
+    result[r] = hsum(_mm256_add_ps(even[r], odd[r])) +
+                offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
 }
+};
 
 #endif
 
@@ -248,7 +259,8 @@ void dequantize_column_simd(const Weights& w, int64_t n, float* out) {
 }
 
 template <int R>
-void float_rows_dot(const Weights& w, int64_t n, const float* x, int64_t r0, float* result) {
+struct FloatRows {
+static void run(const Weights& w, int64_t n, const float* x, int64_t r0, float* result) {
   const uint8_t* column = w.values + n * w.row_bytes();
   Vec acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
@@ -260,17 +272,28 @@ void float_rows_dot(const Weights& w, int64_t n, const float* x, int64_t r0, flo
     }
   for (int r = 0; r < R; ++r) result[r] = acc[r].sum();
 }
+};
+#endif
+
+#if PAGEDLLM_QUANT_SIMD
+// Kernel<rows>::run(args...) for 1 to kRows rows: the row count is a template argument, so that the accumulators
+// stay in registers.
+template <template <int> class Kernel, typename... Args>
+inline void with_rows(int64_t rows, const Args&... args) {
+  static_assert(kRows == 4, "one case per row count");
+  switch (rows) {
+    case 4: return Kernel<4>::run(args...);
+    case 3: return Kernel<3>::run(args...);
+    case 2: return Kernel<2>::run(args...);
+    default: return Kernel<1>::run(args...);
+  }
+}
 #endif
 
 // Rows r0..r0+rows-1 of column n through the int8 path.
 void int8_column(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, int64_t rows, float* result) {
 #if PAGEDLLM_QUANT_SIMD
-  switch (rows) {
-    case 4: return int8_rows<4>(w, n, act, r0, result);
-    case 3: return int8_rows<3>(w, n, act, r0, result);
-    case 2: return int8_rows<2>(w, n, act, r0, result);
-    default: return int8_rows<1>(w, n, act, r0, result);
-  }
+  with_rows<Int8Rows>(rows, w, n, act, r0, result);
 #else
   const uint8_t* column = w.values + n * w.row_bytes();
   const float* scales = w.scales + n * w.groups;
@@ -297,12 +320,7 @@ void float_column(const Weights& w, int64_t n, const float* x, int64_t r0, int64
                   float* column) {
 #if PAGEDLLM_QUANT_SIMD
   (void)column;
-  switch (rows) {
-    case 4: return float_rows_dot<4>(w, n, x, r0, result);
-    case 3: return float_rows_dot<3>(w, n, x, r0, result);
-    case 2: return float_rows_dot<2>(w, n, x, r0, result);
-    default: return float_rows_dot<1>(w, n, x, r0, result);
-  }
+  with_rows<FloatRows>(rows, w, n, x, r0, result);
 #else
   dequantize_column(w, n, column);
   for (int64_t r = 0; r < rows; ++r) result[r] = dot(x + (r0 + r) * w.k, column, w.k);
