@@ -52,6 +52,14 @@ def test_gguf_blocks_repack_without_loss(type_name):
     torch.testing.assert_close(weight.dequantize(), gguf_dequantized(raw, type_name, 8, 512), rtol=1e-6, atol=0)
 
 
+def test_a_damaged_tensor_is_refused_clearly():
+    raw = gguf_blocks("Q4_K", 4, 512)
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        qf.from_gguf(raw[:, :-10], "Q4_K", 4, 512)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        qf.from_gguf(raw, "Q4_K", 4, 300)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_quantized_at_load_as_gguf_quantizes(fmt):
     w = torch.randn(16, 256)

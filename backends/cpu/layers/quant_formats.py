@@ -16,7 +16,9 @@ import torch
 CHUNK = 32  # inputs per 4-bit chunk of 16 bytes: byte i holds input i (low nibble) and input i + 16 (high)
 GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "int8")
-_SUPER = 256  # inputs per K-quant super-block
+# bytes per block and inputs per block of each GGUF format
+_BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q5_K": (176, 256),
+           "Q6_K": (210, 256)}
 
 
 @dataclasses.dataclass
@@ -122,6 +124,11 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
     """A GGUF tensor's blocks ([rows, bytes per row] uint8, as GGUFReader gives them) in the kernels' layout."""
     if type_name not in GGUF_FORMATS:
         raise ValueError(f"GGUF type {type_name} is not one the quantized kernels run ({', '.join(GGUF_FORMATS)})")
+    size, inputs = _BLOCKS[type_name]
+    if in_features % inputs or raw.size != rows * in_features // inputs * size:
+        raise ValueError(f"{raw.size} bytes of {type_name} blocks do not hold {rows} x {in_features} weights "
+                         f"({rows * in_features // inputs * size} bytes in whole blocks of {inputs}): the file is "
+                         "truncated or damaged")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1)
     if type_name == "Q8_0":
         b = blocks.reshape(-1, 34)

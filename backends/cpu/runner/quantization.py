@@ -20,6 +20,7 @@ import torch
 
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, from_gguf, quantize
 from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.errors import UnsupportedModelError
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -93,7 +94,10 @@ def _gguf_weights(model: torch.nn.Module, linears: dict, gguf_file: Path) -> dic
             if (rows, columns) != (linear.out_features, linear.in_features):
                 skipped[f"{type_name} of an unexpected shape"] += 1
                 continue
-            weight = from_gguf(np.asarray(tensor.data), type_name, rows, columns)
+            try:
+                weight = from_gguf(np.asarray(tensor.data), type_name, rows, columns)
+            except ValueError as exc:
+                raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: {exc}") from exc
             order = processor.process(np.arange(rows).reshape(rows, 1), tensor.name).weights.reshape(rows)
             if not np.array_equal(order, np.arange(rows)):
                 weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
