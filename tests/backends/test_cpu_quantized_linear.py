@@ -148,6 +148,12 @@ def prompts():
     return random_prompts([1, 9, 33, 70], seed=4)
 
 
+def quantized_layers(llm) -> list:
+    from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+
+    return [m for m in llm.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
+
+
 def greedy(llm, prompts, tokens=12):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
@@ -161,6 +167,10 @@ def test_quantized_at_load_equals_transformers_on_the_same_weights(tiny_llama, t
     expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / fmt, fmt), prompts, 12)
     llm = LLM(str(tiny_llama), dtype="float32", quantization=fmt, max_model_len=256, kv_cache_space=0.05,
               enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4)
+    layers = quantized_layers(llm)
+    # 2 layers x (q/k/v, o, gate/up, down), and the head unless int8 keeps it dense
+    assert len(layers) == (8 if fmt == "int8" else 9) and not any(m.int8_activations for m in layers)
+    assert {m.format for m in layers} == ({fmt} if fmt != "q4_0" else {"q4_0", "q8_0"})
     assert greedy(llm, prompts) == expected
 
 
@@ -175,8 +185,9 @@ def test_bf16_runs_int8_dot_products_close_to_float32(tiny_llama, prompts):
     """bf16 models take the int8 path: the first tokens agree with the float32 path's."""
     exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="q8_0", max_model_len=256,
                        kv_cache_space=0.05), prompts, 4)
-    fast = greedy(LLM(str(tiny_llama), dtype="bfloat16", quantization="q8_0", max_model_len=256,
-                      kv_cache_space=0.05), prompts, 4)
+    bf16 = LLM(str(tiny_llama), dtype="bfloat16", quantization="q8_0", max_model_len=256, kv_cache_space=0.05)
+    assert len(quantized_layers(bf16)) == 9 and all(m.int8_activations for m in quantized_layers(bf16))
+    fast = greedy(bf16, prompts, 4)
     assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
 
 

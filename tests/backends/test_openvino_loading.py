@@ -95,6 +95,8 @@ def test_quantization_flag_means_nncf_compression(tiny_llama, int8_tokens):
     not divide); the cpu backend's GGUF formats are refused with what to use."""
     assert token_ids(make_llm(tiny_llama, quantization="int8")) == int8_tokens
     int4 = make_llm(tiny_llama, quantization="int4")
+    ir = export_cache.export_dir(tiny_llama, int4.engine.backend.model.name, "int4") / export_cache.MODEL_XML
+    assert 'element_type="u4"' in ir.read_text()  # NNCF's 4-bit weights are in the IR
     assert "int4 weights (NNCF)" in int4.engine.backend.describe() and len(token_ids(int4)) == len(PROMPTS)
     with pytest.raises(ConfigError, match="use --quantization int8 or int4"):
         make_llm(tiny_llama, quantization="q4_0")

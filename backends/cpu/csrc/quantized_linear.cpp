@@ -196,31 +196,31 @@ struct ChunkDot {
 // FMA latency.
 template <int R>
 struct Int8Rows {
-static void run(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, float* result) {
-  const uint8_t* column = w.values + n * w.row_bytes();
-  const float* scales = w.scales + n * w.groups;
-  __m256 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-  const auto step = [&](int64_t j, __m256* sums) {
-    const ChunkDot chunk(load_chunk(w, column, j), w.bits == 8);
-    const __m256 ws = chunk_scales(w, scales, j);
-    for (int r = 0; r < R; ++r) {
-      const int64_t c = (r0 + r) * act.chunks + j;
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q.data() + c * kChunk));
-      sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk.with(a)), _mm256_mul_ps(ws, _mm256_set1_ps(act.scale[c])),
-                                sums[r]);
+  static void run(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, float* result) {
+    const uint8_t* column = w.values + n * w.row_bytes();
+    const float* scales = w.scales + n * w.groups;
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    const auto step = [&](int64_t j, __m256* sums) {
+      const ChunkDot chunk(load_chunk(w, column, j), w.bits == 8);
+      const __m256 ws = chunk_scales(w, scales, j);
+      for (int r = 0; r < R; ++r) {
+        const int64_t c = (r0 + r) * act.chunks + j;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q.data() + c * kChunk));
+        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk.with(a)), _mm256_mul_ps(ws, _mm256_set1_ps(act.scale[c])),
+                                  sums[r]);
+      }
+    };
+    int64_t j = 0;
+    for (; j + 1 < act.chunks; j += 2) {
+      step(j, even);
+      step(j + 1, odd);
     }
-  };
-  int64_t j = 0;
-  for (; j + 1 < act.chunks; j += 2) {
-    step(j, even);
-    step(j + 1, odd);
+    if (j < act.chunks) step(j, even);
+    for (int r = 0; r < R; ++r)
+      result[r] = hsum(_mm256_add_ps(even[r], odd[r])) +
+                  offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
   }
-  if (j < act.chunks) step(j, even);
-  for (int r = 0; r < R; ++r)
-    result[r] = hsum(_mm256_add_ps(even[r], odd[r])) +
-                offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
-}
 };
 
 #endif
@@ -255,23 +255,24 @@ inline Vec weight_part(const Weights& w, int64_t n, const uint8_t* column, int64
 void dequantize_column_simd(const Weights& w, int64_t n, float* out) {
   const uint8_t* column = w.values + n * w.row_bytes();
   for (int64_t j = 0; j < w.k / kChunk; ++j)
-    for (int part = 0; part < kParts; ++part) weight_part(w, n, column, j, part).store(out + j * kChunk + part * Vec::size);
+    for (int part = 0; part < kParts; ++part)
+      weight_part(w, n, column, j, part).store(out + j * kChunk + part * Vec::size);
 }
 
 template <int R>
 struct FloatRows {
-static void run(const Weights& w, int64_t n, const float* x, int64_t r0, float* result) {
-  const uint8_t* column = w.values + n * w.row_bytes();
-  Vec acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
-  for (int64_t j = 0; j < w.k / kChunk; ++j)
-    for (int part = 0; part < kParts; ++part) {
-      const Vec weight = weight_part(w, n, column, j, part);
-      for (int r = 0; r < R; ++r)
-        acc[r] = Vec::fma(weight, Vec::load(x + (r0 + r) * w.k + j * kChunk + part * Vec::size), acc[r]);
-    }
-  for (int r = 0; r < R; ++r) result[r] = acc[r].sum();
-}
+  static void run(const Weights& w, int64_t n, const float* x, int64_t r0, float* result) {
+    const uint8_t* column = w.values + n * w.row_bytes();
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
+    for (int64_t j = 0; j < w.k / kChunk; ++j)
+      for (int part = 0; part < kParts; ++part) {
+        const Vec weight = weight_part(w, n, column, j, part);
+        for (int r = 0; r < R; ++r)
+          acc[r] = Vec::fma(weight, Vec::load(x + (r0 + r) * w.k + j * kChunk + part * Vec::size), acc[r]);
+      }
+    for (int r = 0; r < R; ++r) result[r] = acc[r].sum();
+  }
 };
 #endif
 

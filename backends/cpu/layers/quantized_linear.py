@@ -5,7 +5,7 @@ bound by the bytes of weights it reads. More rows (prompt chunks, large batches)
 dequantized for the call and goes through the dense GEMM, whose tiles the quantized kernel does not match.
 
 Until the linears are swapped, a quantized weight rides on its nn.Linear (``attach``), whose dense weight becomes a
-meta tensor, so that sharding and fusing carry it along (``carry``) without holding the dense weights.
+meta tensor, so that sharding and fusing carry it along without holding the dense weights.
 """
 
 from __future__ import annotations
@@ -29,13 +29,6 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
     setattr(linear, QUANTIZED_WEIGHT, weight)
     dense = linear.weight
     linear.weight = torch.nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"), requires_grad=False)
-
-
-def carry(source: torch.nn.Linear, target: torch.nn.Linear, weight: QuantizedWeight | None) -> None:
-    """After building ``target`` from ``source`` (a shard, a concatenation): give it ``weight``, its part of the
-    source's quantized weight, if the source has one."""
-    if weight is not None and quantized_weight(source) is not None:
-        attach(target, weight)
 
 
 class QuantizedLinear(torch.nn.Module):
