@@ -19,7 +19,8 @@ class Batch:
     ``num_computed[i]`` tokens in the KV cache before the step and ``seq_lens[i]`` after it; its blocks
     are ``block_table[i, :ceil(seq_lens[i] / block_size)]`` (the rest of the row is padding, 0).
     ``slot_mapping[t]`` is where token ``t``'s K/V go (block * block_size + offset). Logits are wanted
-    only for the rows ``logits_indices`` (the last token of every sequence that samples).
+    only for the rows ``logits_indices``, in ascending order: the last token of every sequence that samples, and
+    the prompt positions of a request that asked for its prompt's logprobs.
     """
 
     input_ids: np.ndarray  # int64 [T]

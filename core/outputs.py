@@ -3,6 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass
+class Logprob:
+    """One token's log probability, as vLLM's: ``rank`` is its place in the distribution (1 = most likely),
+    ``decoded_token`` its text (None when the request does not detokenize)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob} for the token there and the top alternatives asked for.
+PositionLogprobs = dict[int, Logprob]
+
+
+def position_logprobs(token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],
+                      decode: Callable[[int], str] | None = None) -> PositionLogprobs:
+    """The entry of one position: the token there first, then the top alternatives by rank."""
+    entry = {token_id: Logprob(logprob, rank, decode(token_id) if decode else None)}
+    for i, (t, lp) in enumerate(zip(top_ids, top_logprobs)):
+        if t not in entry:
+            entry[t] = Logprob(lp, i + 1, decode(t) if decode else None)
+    return entry
 
 
 @dataclasses.dataclass
@@ -24,8 +49,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}
-    delta_logprobs: list[dict[int, float]] | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per generated token
+    delta_logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
 
     @property
@@ -43,6 +68,10 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when a step running this request failed: it ended there (its outputs hold what it made before).
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token (None for the first, which nothing predicts); set from
+    # the output that carries the first generated token on.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     # The first completion's fields, for the common n=1 case.
     @property

@@ -60,12 +60,21 @@ class Request:
         self.first_token_time: float | None = None
         self.detokenizer = None  # set by the engine when text is wanted
         self.grammar = None  # a structured_output.GrammarState, set by the engine for constrained output
-        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None  # of outputs.Logprob
         self.cumulative_logprob = 0.0
+        # Per prompt token so far, the first None (nothing predicts it); sequence 0 of a group computes them.
+        self.prompt_logprobs: list[dict | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first admission
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: the prompt's logits are needed, so no prefix-cache hit."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -133,6 +133,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top alternatives per prompt token, beside the token itself
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is taken too
@@ -181,6 +182,9 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be a finite number greater than 0, got {self.repetition_penalty}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= INT64_MAX):
             raise bad("logprobs", f"must be a non-negative integer, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= INT64_MAX):
+            raise bad("prompt_logprobs", f"must be a non-negative integer, got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):

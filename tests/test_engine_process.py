@@ -24,8 +24,9 @@ def llms(tiny_llama):
 
 
 def fields(outputs):
-    return [[(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
-             for c in o.outputs] for o in outputs]
+    return [(o.prompt_logprobs, o.num_cached_tokens,
+             [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+              for c in o.outputs]) for o in outputs]
 
 
 def greedy_texts(llm, max_tokens=24):
@@ -36,7 +37,8 @@ def greedy_texts(llm, max_tokens=24):
 def test_greedy_and_sampled_outputs_equal_the_in_process_engine(llms):
     local, split = llms
     for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                   SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=16, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=16, ignore_eos=True, logprobs=2,
+                                  prompt_logprobs=1),
                    SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[5, 7, 11])):
         assert fields(split.generate(PROMPTS, params, use_tqdm=False)) == \
             fields(local.generate(PROMPTS, params, use_tqdm=False)), params

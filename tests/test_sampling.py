@@ -84,10 +84,13 @@ def test_logit_bias_and_min_tokens():
 def test_logprobs_are_raw_log_softmax():
     logits = torch.tensor([[0.0, 1.0, 2.0]])
     out = Sampler(0)(logits, [req(temperature=0, logprobs=2)])
-    sampled, ids, values = out.logprobs[0]
+    sampled, rank, ids, values = out.logprobs[0]
     expected = torch.log_softmax(logits[0], -1)
     assert ids == [2, 1] and values == pytest.approx(expected[[2, 1]].tolist())
-    assert sampled == pytest.approx(float(expected[2]))
+    assert sampled == pytest.approx(float(expected[2])) and rank == 1
+    seeded = Sampler(0)(logits.expand(64, 3), [req(temperature=1.0, logprobs=0) for _ in range(64)]).logprobs
+    assert {(round(lp, 5), rank) for lp, rank, _, _ in seeded} <= {(round(float(expected[t]), 5), 3 - t)
+                                                                    for t in range(3)}  # rank 1 = the likeliest
 
 
 def test_penalties_lower_repeated_tokens():

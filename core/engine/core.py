@@ -183,7 +183,9 @@ def request_delta(output: RequestOutput) -> RequestDelta:
         sequences.append(SequenceDelta(c.index, c.delta_token_ids[-1], c.delta_logprobs[-1] if c.delta_logprobs
                                        else None, c.cumulative_logprob, c.finish_reason, c.stop_reason))
     m = output.metrics
-    return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time, output.error)
+    first_token = any(c.index == 0 and len(c.token_ids) == 1 for c in output.outputs)
+    return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time, output.error,
+                        output.prompt_logprobs if first_token else None, output.num_cached_tokens)
 
 
 def error_type(exc: BaseException) -> str:

@@ -28,13 +28,13 @@ from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.sizing import num_kv_blocks
 from pagedllm.logger import configure_logging
 from pagedllm.models.source import ModelSource, load_tokenizer, resolve_model
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, position_logprobs
 from pagedllm.plugins.manager import get_backend_class
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling.structured_output import StructuredOutputManager
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched.batch_builder import BatchBuilder
+from pagedllm.sched.batch_builder import BatchBuilder, PromptLogprobRows
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.utils import cdiv
 
@@ -217,9 +217,11 @@ class LLMEngine:
         config = self.config
         if params.structured_outputs is not None:
             self.structured_outputs.check_size(params.structured_outputs)
-        if params.logprobs is not None and params.logprobs > min(config.max_logprobs, vocab):
-            raise InvalidRequestError(f"logprobs {params.logprobs} is more than the {min(config.max_logprobs, vocab)} "
-                                      f"this server allows (--max-logprobs)", param="logprobs")
+        for param in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, param)
+            if value is not None and value > min(config.max_logprobs, vocab):
+                raise InvalidRequestError(f"{param} {value} is more than the {min(config.max_logprobs, vocab)} this "
+                                          f"server allows (--max-logprobs)", param=param)
         for param, count, limit, flag in (
                 ("stop", len(params.stop), config.max_stop_strings, "--max-stop-strings"),
                 ("stop_token_ids", len(params.stop_token_ids), config.max_stop_token_ids, "--max-stop-token-ids"),
@@ -293,11 +295,15 @@ class LLMEngine:
         self.batch_builder.release(self.scheduler.take_released())
 
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        batch, order, sampling = self.batch_builder.build(sched)
+        batch, order, rows = self.batch_builder.build(sched)
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
         self._counters.on_step(sched.num_batched_tokens, self.kv_manager, self.scheduler.running)
-        requests = [order[i].request for i in sampling]
+        if rows.prompt:
+            for part in rows.prompt:
+                part.request.prompt_logprobs += self._prompt_logprobs(logits, part)
+            logits = logits[rows.sample_rows]
+        requests = [order[i].request for i in rows.sampling]
         if any(r.num_pending_forks for r in requests):
             requests, rows = self._fork_groups(requests)
             logits = logits[rows]
@@ -309,6 +315,25 @@ class LLMEngine:
             progressed.setdefault(request.group_id, []).append(completion)
         outputs = [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
         return outputs + self._fail_requests(failed, now)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, logits: torch.Tensor, part: PromptLogprobRows) -> list[PositionLogprobs]:
+        """Each prompt token's logprob and rank under the logits of the position before it, and the top
+        ``prompt_logprobs`` alternatives, from the raw distribution (no penalties, bias or temperature, as vLLM)."""
+        request = part.request
+        rows = torch.log_softmax(logits[part.first_row:part.first_row + part.count].to(torch.float32), dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[part.first_token:part.first_token + part.count])
+        chosen = rows.gather(1, targets[:, None])
+        ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
+        k = request.params.prompt_logprobs
+        top_vals, top_ids = rows.topk(k, dim=1) if k else (rows[:, :0], targets[:, None][:, :0])
+        decode = self._token_text if request.params.detokenize else None
+        return [position_logprobs(t, lp, rank, ids, vals, decode)
+                for t, lp, rank, ids, vals in zip(targets.tolist(), chosen[:, 0].tolist(), ranks, top_ids.tolist(),
+                                                  top_vals.tolist())]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]):
         """(requests, token ids, logprobs, failed groups) of the step. If sampling the batch raises, each request
@@ -395,9 +420,9 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         if logprobs is not None:
-            sampled_lp, top_ids, top_lps = logprobs
-            entry = {token_id: sampled_lp, **dict(zip(top_ids, top_lps))}
-            request.logprobs.append(entry)
+            sampled_lp, rank, top_ids, top_lps = logprobs
+            request.logprobs.append(position_logprobs(token_id, sampled_lp, rank, top_ids, top_lps,
+                                                      self._token_text if params.detokenize else None))
             request.cumulative_logprob += sampled_lp
 
         status = None
@@ -449,7 +474,8 @@ class LLMEngine:
             self._counters.finished_requests += 1
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time,
                                  min(m.first_token_time or now for m in group.members), now if finished else None)
-        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+        return RequestOutput(group_id, first.prompt, first.prompt_token_ids, completions, finished, metrics,
+                             prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state and counters (immutable: safe to hand to another thread)."""

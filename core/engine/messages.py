@@ -19,6 +19,7 @@ from pagedllm.backend import ModelInfo
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.stats import EngineStats
 from pagedllm.models.source import ModelSource
+from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ FrontEndMessage = Union[Start, Add, Abort, StopSequence, Shutdown]
 class SequenceDelta(msgspec.Struct, array_like=True):
     index: int
     token_id: int
-    logprobs: dict[int, float] | None  # {sampled: lp, top ids: lp} when logprobs were asked
+    logprobs: dict[int, Logprob] | None  # the sampled token's and the top ones' when logprobs were asked
     cumulative_logprob: float | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -75,6 +76,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None
     first_token_time: float | None
     error: str | None = None  # the step running it failed: it ended (no sequences)
+    # with the first generated token, when prompt logprobs were asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

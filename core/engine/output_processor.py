@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import RequestDelta, SequenceDelta
-from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -23,7 +23,7 @@ class _Sequence:
         self.index = index
         self.token_ids: list[int] = []
         self.detokenizer = detokenizer
-        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        self.logprobs: list[PositionLogprobs] | None = [] if logprobs else None
         self.cumulative_logprob: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -31,7 +31,7 @@ class _Sequence:
 
 class _Request:
     __slots__ = ("request_id", "output_id", "prompt", "prompt_token_ids", "params", "arrival_time", "stop_ids",
-                 "sequences", "unfinished")
+                 "sequences", "unfinished", "prompt_logprobs", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float, eos_token_ids: frozenset[int], output_id: str) -> None:
@@ -44,6 +44,8 @@ class _Request:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.sequences: dict[int, _Sequence] = {}
         self.unfinished = params.n
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.num_cached_tokens = 0
 
 
 class OutputProcessor:
@@ -89,6 +91,12 @@ class OutputProcessor:
                 outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, [], True,
                                              metrics, delta.error))
                 continue
+            if delta.prompt_logprobs is not None:
+                request.prompt_logprobs = delta.prompt_logprobs
+                request.num_cached_tokens = delta.num_cached_tokens
+                if request.params.detokenize:
+                    for entry in delta.prompt_logprobs[1:]:
+                        self._decode(entry)
             completions = [c for c in (self._advance(request, s, stops) for s in delta.sequences) if c is not None]
             if not completions:
                 continue
@@ -98,8 +106,14 @@ class OutputProcessor:
             metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time,
                                      now if finished else None)
             outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, completions,
-                                         finished, metrics))
+                                         finished, metrics, prompt_logprobs=request.prompt_logprobs,
+                                         num_cached_tokens=request.num_cached_tokens))
         return outputs, stops
+
+    def _decode(self, entry: PositionLogprobs) -> None:
+        """The core does not detokenize: each logprob's token text is filled in here."""
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id])
 
     def _advance(self, request: _Request, delta: SequenceDelta, stops: list) -> CompletionOutput | None:
         params = request.params
@@ -114,6 +128,8 @@ class OutputProcessor:
         token_id = delta.token_id
         seq.token_ids.append(token_id)
         if seq.logprobs is not None and delta.logprobs is not None:
+            if params.detokenize:
+                self._decode(delta.logprobs)
             seq.logprobs.append(delta.logprobs)
         seq.cumulative_logprob = delta.cumulative_logprob
         finish, stop_reason = delta.finish_reason, delta.stop_reason

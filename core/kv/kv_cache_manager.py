@@ -26,8 +26,8 @@ class KVCacheManager:
     # -- lookups -------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of the request's tokens (never all of them: the last token
-        must be computed to have logits to sample from)."""
-        if self.prefix_cache is None or request.num_computed_tokens > 0:
+        must be computed to have logits to sample from). None for a request that needs its prompt's logits."""
+        if self.prefix_cache is None or request.num_computed_tokens > 0 or request.needs_prompt_logprobs:
             return []
         chain_hashes(request.all_token_ids, self.block_size, request.block_hashes)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -18,8 +18,8 @@ from pagedllm.sampling.structured_output import apply_bitmasks
 @dataclasses.dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: None, or (logprob of the sampled token, top token ids, their logprobs).
-    logprobs: list[tuple[float, list[int], list[float]] | None]
+    # Per row: None, or (logprob of the sampled token, its rank, top token ids, their logprobs).
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
 
 
 class Sampler:
@@ -46,12 +46,13 @@ class Sampler:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
         token_list = tokens.tolist()
 
-        logprobs: list[tuple[float, list[int], list[float]] | None] = [None] * len(requests)
+        logprobs: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(requests)
         for j, i in enumerate(want_logprobs):
             row = raw_logprobs[j]
             k = requests[i].params.logprobs
             top_vals, top_ids = row.topk(k) if k else (row[:0], tokens[:0])
-            logprobs[i] = (float(row[token_list[i]]), top_ids.tolist(), top_vals.tolist())
+            sampled = row[token_list[i]]
+            logprobs[i] = (float(sampled), int((row > sampled).sum()) + 1, top_ids.tolist(), top_vals.tolist())
         return SamplerOutput(token_list, logprobs)
 
     # -- logits processing ---------------------------------------------------------------------

@@ -6,11 +6,35 @@ last step are copied in, so building a batch costs O(sequences + scheduled token
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from pagedllm.batch import Batch
+from pagedllm.request import Request
 from pagedllm.sched.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.utils import cdiv
+
+
+@dataclasses.dataclass
+class PromptLogprobRows:
+    """Logits rows ``first_row:first_row + count`` predict prompt tokens ``first_token:first_token + count`` of
+    ``request`` (the token after each row's position)."""
+
+    request: Request
+    first_row: int
+    count: int
+    first_token: int
+
+
+@dataclasses.dataclass
+class LogitsRows:
+    """Where each wanted logits row came from: ``sample_rows[j]`` is the row of ``sampling[j]``'s last token;
+    ``prompt`` lists the rows of prompt positions whose logprobs were asked for (none in most steps)."""
+
+    sampling: list[int]  # positions in batch order of the sequences that sample a token this step
+    sample_rows: list[int]
+    prompt: list[PromptLogprobRows]
 
 
 class BatchBuilder:
@@ -34,9 +58,9 @@ class BatchBuilder:
                 self._free_rows.append(row)
                 del self._row_len[request_id]
 
-    def build(self, output: SchedulerOutput) -> tuple[Batch, list[ScheduledRequest], list[int]]:
-        """Returns the batch, the scheduled requests in batch order, and the positions (in that order)
-        of the sequences that sample a token this step. Rows of ``output.released_ids`` must be released first."""
+    def build(self, output: SchedulerOutput) -> tuple[Batch, list[ScheduledRequest], LogitsRows]:
+        """Returns the batch, the scheduled requests in batch order, and what each logits row is for. Rows of
+        ``output.released_ids`` must be released first."""
         order = [s for s in output.scheduled if s.num_new_tokens == 1]
         order += [s for s in output.scheduled if s.num_new_tokens != 1]
         num_seqs = len(order)
@@ -46,6 +70,9 @@ class BatchBuilder:
         num_computed = np.empty(num_seqs, dtype=np.int32)
         input_ids: list[int] = []
         sampling: list[int] = []
+        logits_indices: list[int] = []
+        rows_for = LogitsRows(sampling, [], [])
+        num_tokens = 0
         for i, item in enumerate(order):
             request = item.request
             rid = request.request_id
@@ -67,8 +94,17 @@ class BatchBuilder:
                 input_ids.append(request.all_token_ids[start])
             else:
                 input_ids.extend(request.all_token_ids[start:end])
+            if request.needs_prompt_logprobs:  # the rows whose next token is a prompt token not yet scored
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(end, request.num_prompt_tokens - 1)
+                if last > first:
+                    rows_for.prompt.append(PromptLogprobRows(request, len(logits_indices), last - first, first + 1))
+                    logits_indices.extend(range(num_tokens + first - start, num_tokens + last - start))
+            num_tokens += item.num_new_tokens
             if end == request.num_tokens:
                 sampling.append(i)
+                rows_for.sample_rows.append(len(logits_indices))
+                logits_indices.append(num_tokens - 1)
 
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=query_start_loc[1:])
@@ -82,7 +118,6 @@ class BatchBuilder:
         positions = (np.arange(num_tokens, dtype=np.int64)
                      + np.repeat(num_computed.astype(np.int64) - query_start_loc[:-1], q_lens))
         slot_mapping = block_table[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
-        logits_indices = query_start_loc[1:][sampling].astype(np.int64) - 1
 
         batch = Batch(
             input_ids=np.asarray(input_ids, dtype=np.int64),
@@ -92,8 +127,8 @@ class BatchBuilder:
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=slot_mapping,
-            logits_indices=logits_indices,
+            logits_indices=np.asarray(logits_indices, dtype=np.int64),
             num_decodes=int(np.count_nonzero(q_lens == 1)),
             block_size=bs,
         )
-        return batch, order, sampling
+        return batch, order, rows_for

@@ -15,6 +15,8 @@ from collections import deque
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
+PROMPT_LOGPROBS_CHUNK = 512  # most prompt tokens per step of a request that wants their logprobs
+
 
 @dataclasses.dataclass
 class ScheduledRequest:
@@ -115,6 +117,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- the step ------------------------------------------------------------------------------
+    def _chunk(self, request: Request, num_new: int) -> int:
+        """A prompt whose logprobs are asked for has a logits row per token: with chunked prefill its chunks are
+        capped, so that a step's logits stay a bounded size."""
+        if self.chunked_prefill and request.needs_prompt_logprobs:
+            return min(num_new, PROMPT_LOGPROBS_CHUNK)
+        return num_new
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
@@ -125,7 +134,7 @@ class Scheduler:
         for request in decoding + prefilling:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens)
             if num_new > budget and not self.chunked_prefill:
                 continue
             num_new = min(num_new, budget)
@@ -156,7 +165,7 @@ class Scheduler:
                 break
             cached = self.kv.get_computed_blocks(request)
             num_cached_tokens = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached_tokens
+            num_new = self._chunk(request, request.num_tokens - num_cached_tokens)
             if num_new > budget:
                 if not self.chunked_prefill:
                     break
@@ -169,6 +178,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
             seats += 1 + request.num_pending_forks
             scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)

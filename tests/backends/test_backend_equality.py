@@ -191,3 +191,36 @@ def test_parallel_samples_share_and_copy_blocks(backend, arch, tiny_model_dirs, 
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [single] * 3
     assert single == hf_greedy(tiny_model_dirs[arch], [prompt], NEW_TOKENS)[0]
+
+
+@on("cpu", "openvino", architectures=("llama", "qwen2"))
+def test_prompt_logprobs_with_chunks_prefix_caching_and_preemption(backend, arch, tiny_model_dirs, references):
+    """Each prompt token's logprob equals transformers' log-softmax, whether the prompt runs in 16-token chunks,
+    shares a cached prefix (the request computes it again: a cache hit has no logits) or is preempted and
+    recomputed; the generated tokens stay transformers' greedy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts, expected = references[arch]["shared"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[arch], dtype=torch.float32)
+    with torch.inference_mode():
+        oracle = [torch.log_softmax(model(torch.tensor([p])).logits[0], dim=-1) for p in prompts]
+    case = CASES[backend]
+    space = case.preemption_blocks * kv_bytes_per_block(arch, block_size=case.block_size) / 2**30
+    llm = make_llm(backend, tiny_model_dirs[arch], kv_cache_space=space, enable_prefix_caching=True,
+                   enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8)
+    params = dataclasses.replace(GREEDY, prompt_logprobs=2)
+    assert token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == expected[:1]  # its blocks are cached
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output, logprobs in zip(prompts, outputs, oracle):
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        assert output.num_cached_tokens == 0
+        for i, (token, entry) in enumerate(zip(prompt[1:], output.prompt_logprobs[1:])):
+            row = logprobs[i]
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = row.topk(2)
+            assert [entry[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert llm.engine.kv_manager.allocator.num_used == 0

@@ -258,6 +258,106 @@ def test_chat_logprobs(client, llm, tiny_llama_dir):
     assert [len(c.top_logprobs) for c in only_sampled] == [0, 0, 0]
 
 
+# -- scoring: prompt logprobs, as lm-evaluation-harness asks for them --------------------------------------------
+def hf_prompt_logprobs(model_dir, prompt_ids: list[int]) -> list[float]:
+    """The oracle: transformers' float32 log-softmax of each prompt token after the first."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+    return [logprobs[i - 1, t].item() for i, t in enumerate(prompt_ids) if i]
+
+
+def loglikelihood(server, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """lm-eval's local-completions loglikelihood request and its parsing of the answer, as it sends and reads them."""
+    payload = {"model": MODEL, "prompt": [context + continuation], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+               "seed": 1234, "echo": True}
+    response = httpx.post(server.url + COMPLETIONS, json=payload, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    ctxlen = len(context)
+    token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
+    return sum(token_logprobs), is_greedy
+
+
+def test_lm_eval_loglikelihood_requests_score_like_transformers(server, tiny_llama_dir, llm):
+    ids = llm.tokenizer("Paris is the capital of France; Berlin is the capital of Germany.").input_ids
+    oracle = hf_prompt_logprobs(tiny_llama_dir, ids)
+    for split in (3, len(ids) - 4):
+        total, greedy_ = loglikelihood(server, ids[:split], ids[split:])
+        assert total == pytest.approx(sum(oracle[split - 1:]), abs=1e-3)
+        assert isinstance(greedy_, bool)
+    # the whole answer: the prompt's tokens (the first with no logprob), then the one generated
+    out = client_completion(server, {"prompt": ids, "max_tokens": 1, "logprobs": 2, "echo": True, "temperature": 0})
+    lp = out["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(oracle, abs=1e-4)
+    assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert out["text"].startswith(llm.tokenizer.decode(ids))
+
+
+def client_completion(server, body: dict) -> dict:
+    response = httpx.post(server.url + COMPLETIONS, json={"model": MODEL, **body},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(server, client, tiny_llama_dir, llm):
+    ids = llm.tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
+    oracle = hf_prompt_logprobs(tiny_llama_dir, ids)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    choice = out.choices[0]
+    assert choice.text == llm.tokenizer.decode(ids) and out.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.token_logprobs[1:] == pytest.approx(oracle,
+                                                                                                             abs=1e-4)
+    streamed = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed if c.choices[0].logprobs), []) == \
+        choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="needs echo"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+
+
+def test_vllm_prompt_logprobs_field(server, client, tiny_llama_dir, llm):
+    out = client.completions.create(model=MODEL, prompt="Paris is the capital of", max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 1})
+    ids = llm.tokenizer("Paris is the capital of").input_ids
+    entries = out.choices[0].prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] is None
+    oracle = hf_prompt_logprobs(tiny_llama_dir, ids)
+    for token_id, entry, expected in zip(ids[1:], entries[1:], oracle):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(expected, abs=1e-4)
+        assert entry[str(token_id)]["decoded_token"] == llm.tokenizer.decode([token_id])
+        assert min(e["rank"] for e in entry.values()) == 1 and len(entry) <= 2
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as info:  # over --max-logprobs
+        client.completions.create(model=MODEL, prompt="x", extra_body={"prompt_logprobs": 21})
+    assert info.value.param == "prompt_logprobs"
+
+
+def test_unknown_fields_are_ignored_as_vllm_does(client):
+    extra = {"store": False, "metadata": {"k": "v"}, "reasoning_effort": "low", "some_future_field": [1, 2]}
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0, extra_body=extra)
+    assert out.choices[0].message.content == plain.choices[0].message.content
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra).choices[0].text
+
+
+def test_usage_details_and_continuous_usage_stats(client):
+    out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=3)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # prefix caching is off on this server
+    chunks = list(client.completions.create(model=MODEL, prompt="Paris is", max_tokens=3, stream=True,
+                                            extra_body=IGNORE_EOS,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 3 and chunks[-1].usage.completion_tokens == 3
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -279,7 +379,7 @@ BAD_REQUESTS = {
                            "functions, best_of"),
     "auto-tool-choice-off": (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
                              400, "tool_choice", "needs the server started with --enable-auto-tool-choice"),
-    "echo-with-logprobs": (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "prompt logprobs"),
+    "suffix": (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
     "stream-options-without-stream": (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
                                       "stream_options", "stream=true"),
     "top-logprobs-without-logprobs": (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
@@ -316,8 +416,8 @@ def test_errors_through_the_openai_client(server, client):
         with pytest.raises(openai.AuthenticationError) as info:
             intruder.completions.create(model=MODEL, prompt="x")
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):  # refused before a stream starts
-        client.completions.create(model=MODEL, prompt="x", stream=True, echo=True, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="needs echo"):  # refused before a stream starts
+        client.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=0)
     assert_serves(client)
 
 

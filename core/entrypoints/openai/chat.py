@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from pagedllm.engine.async_llm import OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.logprobs import chat_logprobs
+from pagedllm.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving import ServingContext, created, streaming_response, unless_disconnected, usage
 from pagedllm.entrypoints.openai.tool_calls import ToolCalling
@@ -48,8 +48,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 async def _collect(body: ChatCompletionRequest, ctx: ServingContext, stream: OutputStream, num_prompt_tokens: int,
                    header: dict, tools: ToolCalling | None) -> JSONResponse:
     finals = {}
+    last = None
     async with stream:
         async for output in stream:
+            last = output
             for completion in output.outputs:
                 finals[completion.index] = completion
     choices = []
@@ -65,22 +67,29 @@ async def _collect(body: ChatCompletionRequest, ctx: ServingContext, stream: Out
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": completion.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in finals.values())
-    return JSONResponse({**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens)})
+    cached = last.num_cached_tokens if last is not None else 0
+    body_out = {**header, "choices": choices, "usage": usage(num_prompt_tokens, completion_tokens, cached)}
+    if body.prompt_logprobs is not None and last is not None:
+        body_out["prompt_logprobs"] = vllm_prompt_logprobs(last.prompt_logprobs, ctx.prompts.token_text)
+    return JSONResponse(body_out)
 
 
 async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: OutputStream, num_prompt_tokens: int,
                   header: dict, tools: ToolCalling | None) -> AsyncIterator[dict]:
     extra = {"usage": None} if body.include_usage_in_stream else {}
+    completion_tokens = 0
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
         return {**header, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": finish_reason, "stop_reason": stop_reason}], **extra}
+                                       "finish_reason": finish_reason, "stop_reason": stop_reason}], **extra,
+                **({"usage": usage(num_prompt_tokens, completion_tokens)} if body.continuous_usage else {})}
 
     for index in range(body.num_choices):
         yield chunk(index, {"role": "assistant", "content": ""})
-    completion_tokens = 0
+    cached = 0
     tool_streams = {index: tools.stream() for index in range(body.num_choices)} if tools is not None else {}
     async for output in stream:
+        cached = output.num_cached_tokens
         for completion in output.outputs:
             completion_tokens += len(completion.delta_token_ids)
             logprobs = None
@@ -101,4 +110,4 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
                     delta["tool_calls"] = calls
                 yield chunk(completion.index, delta, logprobs, finish_reason, completion.stop_reason)
     if body.include_usage_in_stream:
-        yield {**header, "choices": [], "usage": usage(num_prompt_tokens, completion_tokens)}
+        yield {**header, "choices": [], "usage": usage(num_prompt_tokens, completion_tokens, cached)}

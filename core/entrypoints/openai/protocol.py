@@ -1,11 +1,13 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their mapping to ``SamplingParams``.
 
-Types are checked strictly (a string is not a number). Fields pagedllm does not implement (functions, best_of,
-...) are refused by name unless null or their no-op value, never silently ignored.
+Types are checked strictly (a string is not a number). Unknown fields are ignored, as vLLM ignores them; the few
+whose meaning pagedllm lacks and that would change the answer (functions, best_of, suffix) are refused by name
+unless null or their no-op value.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,14 +17,17 @@ from pagedllm.entrypoints.openai.response_format import StructuredOutputFields
 from pagedllm.entrypoints.openai.tool_calls import ToolFields
 from pagedllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams, check_text
 
-# Fields a client may send with a value that asks for nothing: accepted and ignored.
-_NO_OP_VALUES: dict[str, list[Any]] = {
-    "tool_choice": ["none"],
-    "tools": [[]],
+# Fields whose meaning pagedllm does not implement and that would change the answer if ignored: refused unless
+# null or their no-op value. Any other unknown field is ignored with a debug log, as vLLM does (SDKs, agents and UIs
+# send store, metadata, priority, reasoning_effort, ...).
+_REFUSED_UNLESS: dict[str, list[Any]] = {
     "functions": [[]],
+    "function_call": ["none"],
     "best_of": [1],
+    "suffix": [""],
 }
 LOGIT_BIAS_LIMIT = 100.0
+logger = logging.getLogger("pagedllm.server")
 
 
 def check_text_fields(body: BaseModel) -> None:
@@ -39,8 +44,9 @@ def _dumped(value):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk
 
 
 class _GenerationRequest(StructuredOutputFields):
@@ -69,14 +75,19 @@ class _GenerationRequest(StructuredOutputFields):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
 
     def check_supported(self, endpoint: str) -> None:
         check_text_fields(self)
-        unsupported = [name for name, value in (self.model_extra or {}).items()
-                       if value is not None and value not in _NO_OP_VALUES.get(name, [])]
+        extra = self.model_extra or {}
+        unsupported = [name for name, value in extra.items()
+                       if name in _REFUSED_UNLESS and value is not None and value not in _REFUSED_UNLESS[name]]
         if unsupported:
             raise OpenAIError(400, f"unsupported field(s) for {endpoint}: {', '.join(unsupported)}; pagedllm does "
                                    f"not implement them, remove them from the request", param=unsupported[0])
+        ignored = sorted(set(extra) - set(_REFUSED_UNLESS))
+        if ignored:
+            logger.debug("%s: ignoring field(s) pagedllm does not use: %s", endpoint, ", ".join(ignored))
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options can only be given with stream=true", param="stream_options")
 
@@ -85,12 +96,18 @@ class _GenerationRequest(StructuredOutputFields):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage_in_stream and bool(self.stream_options.continuous_usage_stats)
+
+    @property
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        """Raises ``InvalidRequestError`` naming the field for a value out of range."""
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ``InvalidRequestError`` naming the field for a value out of range. ``prompt_logprobs`` defaults
+        to the request's own field."""
         def given(value, default):
             return default if value is None else value
 
@@ -102,7 +119,8 @@ class _GenerationRequest(StructuredOutputFields):
             ignore_eos=given(self.ignore_eos, False), presence_penalty=given(self.presence_penalty, 0.0),
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
-            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True),
+            logprobs=logprobs, prompt_logprobs=given(prompt_logprobs, self.prompt_logprobs),
+            skip_special_tokens=given(self.skip_special_tokens, True),
             structured_outputs=structured_outputs)
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -129,9 +147,14 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self, endpoint: str) -> None:
         super().check_supported(endpoint)
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError(400, "echo together with logprobs needs prompt logprobs, which pagedllm does not "
-                                   "compute; drop echo or logprobs", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens 0 generates nothing: it needs echo=true (to score the prompt)",
+                              param="max_tokens")
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: the answer is the prompt (and its logprobs), nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class ContentPart(BaseModel):

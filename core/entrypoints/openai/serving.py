@@ -77,9 +77,11 @@ def prompt_index(request_id: str) -> int:
     return int(request_id.rsplit("-", 1)[1])
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens`` counts prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # Characters that JSON leaves raw but that line readers built on str.splitlines (httpx's aiter_lines, for one) take
