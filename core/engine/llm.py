@@ -9,6 +9,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processing import PromptType, render_chat
 from pagedllm.engine.sync_client import make_engine_client
+from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,10 +28,22 @@ class LLM:
                  **engine_args) -> None:
         self.engine = make_engine_client(EngineArgs.from_kwargs(model=model, backend=backend, **engine_args),
                                          engine_process)
+        self._default_params: SamplingParams | None = None
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a generate call without SamplingParams uses: the model's generation_config.json defaults
+        (--generation-config auto), as vLLM's."""
+        if self._default_params is None:
+            self._default_params = SamplingParams(**generation_defaults(self.engine.source,
+                                                                        self.engine.config.generation_config))
+        return self._default_params
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -41,7 +54,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -82,7 +82,8 @@ class LLMEngine:
                          setting_owners=setting_owners())
         config.backend = backend_name
         config.serving = serving
-        source = resolve_model(config.model)
+        source = resolve_model(config.model, config.revision, config.download_dir, config.tokenizer,
+                               config.trust_remote_code)
         tokenizer = load_tokenizer(source)
         backend = backend_cls(config, source)
         try:

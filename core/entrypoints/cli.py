@@ -134,7 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.config_file import expand_config_file
+    from pagedllm.errors import ConfigError
+
     parser = build_parser()
+    try:
+        argv = expand_config_file(list(sys.argv[1:] if argv is None else argv), parser)
+    except ConfigError as exc:
+        print(f"pagedllm: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.version:
         from pagedllm.version import __version__
@@ -148,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.bench.workload import WorkloadError
     from pagedllm.errors import (
         BackendNotFoundError,
-        ConfigError,
         InvalidRequestError,
         ModelNotFoundError,
         UnsupportedModelError,

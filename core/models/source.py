@@ -1,4 +1,6 @@
-"""Where a model comes from: a Hugging Face folder, a GGUF file, or an OpenVINO export folder.
+"""Where a model comes from: a Hugging Face folder, a GGUF file, an OpenVINO export folder, or any of these named
+by Hub id (``org/name``, ``org/name:file.gguf`` for one GGUF file of a repository), fetched with huggingface_hub
+into its cache (``HF_HOME``, ``HF_TOKEN``, ``HF_HUB_OFFLINE`` apply) or found there.
 
 A GGUF file is converted once into a Hugging Face folder under the cache directory (weights
 dequantized to float32, a correct tokenizer, a generation config); later starts reuse it.
@@ -12,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +36,7 @@ class ModelSource:
     path: Path  # as given: folder or file
     hf_dir: Path | None  # Hugging Face folder with config and weights (for GGUF: the converted copy)
     tokenizer_dir: Path
+    trust_remote_code: bool = False  # transformers may run code the model's folder ships
 
 
 def cache_dir() -> Path:
@@ -57,15 +61,25 @@ def default_model_path() -> Path:
         "a Hugging Face folder, a GGUF file or an OpenVINO export folder")
 
 
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+def resolve_model(model: str | os.PathLike | None, revision: str | None = None, download_dir: str | None = None,
+                  tokenizer: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+    """The model's source; ``tokenizer`` (a folder or Hub id) replaces the model's own tokenizer."""
+    source = _resolve(model, revision, download_dir)
+    if tokenizer is not None:
+        source = dataclasses.replace(source, tokenizer_dir=_local_path(tokenizer, revision, download_dir,
+                                                                       "tokenizer"))
+    return dataclasses.replace(source, trust_remote_code=trust_remote_code)
+
+
+def _resolve(model: str | os.PathLike | None, revision: str | None, download_dir: str | None) -> ModelSource:
     if model is None:
         path = default_model_path()
         return ModelSource(DEFAULT_MODEL_NAME, "gguf", path, *_converted(path))
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(
-            f"model {str(model)!r} not found: pass a local Hugging Face folder, a .gguf file or an OpenVINO "
-            f"export folder (nothing is downloaded from a model hub)")
+    name = str(model)
+    path = _local_path(name, revision, download_dir, "model")
+    if path != Path(name).expanduser().resolve():  # from the Hub: named as the user named it
+        source = _resolve(path, None, None)
+        return dataclasses.replace(source, name=name)
     path = path.resolve()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -78,7 +92,61 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     ggufs = sorted(path.glob("*.gguf"))
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and ggufs:
         return ModelSource(path.name, "gguf", ggufs[0], *_converted(ggufs[0]))
+    _check_weight_files(path)
     return ModelSource(path.name, "hf", path, path, path)
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Every weight file the folder's index names is there (a Hub download cut short, a shard deleted), so that
+    loading fails up front naming the file, not deep inside transformers."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as exc:
+                raise ModelNotFoundError(f"{index} cannot be read as a weight index: {exc}") from None
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise ModelNotFoundError(f"{folder} lacks weight file(s) its {index_name} names: "
+                                         f"{', '.join(missing)} (a download cut short? fetch the model again)")
+            return
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ModelNotFoundError(f"{folder} has a config.json but no weights (*.safetensors or *.bin): a download "
+                                 f"cut short? fetch the model again")
+
+
+def _local_path(name: str, revision: str | None, download_dir: str | None, what: str) -> Path:
+    """A local folder or file as given, else the Hub repository ``org/name`` (or one file of it,
+    ``org/name:file.gguf``) from huggingface_hub's cache, downloading what is missing unless offline."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve()
+    repo_id, _, filename = name.partition(":")
+    if not _HUB_ID.fullmatch(repo_id) or (filename and not filename.lower().endswith(".gguf")):
+        raise ModelNotFoundError(
+            f"{what} {name!r} not found: pass a local Hugging Face folder, a .gguf file, an OpenVINO export folder, "
+            f"or a Hub id (org/name, or org/name:file.gguf)")
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    logger.info("%s %s%s: looking in the Hugging Face cache%s", what, name, f" (revision {revision})" if revision
+                else "", "" if constants.HF_HUB_OFFLINE else ", downloading what is missing")
+    try:
+        if filename:
+            return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=download_dir))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=download_dir))
+    except LocalEntryNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"{what} {name!r} is not in the Hugging Face cache{f' ({download_dir})' if download_dir else ''} and "
+            f"cannot be downloaded here (offline, or no connection): {exc}") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot get {what} {name!r} from the Hugging Face Hub: {exc}") from None
+
+
+# A Hub repository id: owner/name, each of letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _converted(gguf: Path) -> tuple[Path, Path]:
@@ -135,6 +203,6 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(source.tokenizer_dir))
+        return AutoTokenizer.from_pretrained(str(source.tokenizer_dir), trust_remote_code=source.trust_remote_code)
     except Exception as exc:
         raise ModelNotFoundError(f"cannot load a tokenizer from {source.tokenizer_dir}: {exc}") from exc

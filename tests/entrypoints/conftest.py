@@ -20,8 +20,8 @@ def start_server(tmp_path):
     """Start servers that are stopped (SIGTERM) at the end of the test."""
     servers = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(list(args), tmp_path / f"server-{len(servers)}.log", env)
+    def start(*args: str, env: dict[str, str] | None = None, **kwargs) -> ServerProcess:
+        server = ServerProcess(list(args), tmp_path / f"server-{len(servers)}.log", env, **kwargs)
         servers.append(server)
         return server
 

@@ -17,7 +17,7 @@ def test_defaults_and_engine_flags():
     args = parse("./model", "--max-model-len", "256", "--enable-prefix-caching")
     config = ServerConfig.from_cli_args(args, environ={})
     assert (config.host, config.port, config.api_key, config.served_model_names) == ("127.0.0.1", 8000, None, None)
-    assert (args.model, args.max_model_len, args.enable_prefix_caching) == ("./model", 256, True)
+    assert (args.model_tag, args.max_model_len, args.enable_prefix_caching) == ("./model", 256, True)
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
@@ -37,9 +37,10 @@ def test_auto_tool_choice_needs_both_flags():
 
 
 def test_api_key_flag_beats_env_vars():
-    assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v"}).api_key == "v"
-    assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v", "PAGEDLLM_API_KEY": "p"}).api_key == "p"
-    assert ServerConfig.from_cli_args(parse("--api-key", "f"), environ={"PAGEDLLM_API_KEY": "p"}).api_key == "f"
+    assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v"}).api_key == ["v"]
+    assert ServerConfig.from_cli_args(parse(), environ={"VLLM_API_KEY": "v", "PAGEDLLM_API_KEY": "p"}).api_key == ["p"]
+    assert ServerConfig.from_cli_args(parse("--api-key", "f,g"), environ={"PAGEDLLM_API_KEY": "p"}).api_key == \
+        ["f", "g"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -12,13 +12,14 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.engine.arg_utils import from_cli_args
 from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.chat import create_chat_completion
-from pagedllm.entrypoints.openai.cli_args import ServerConfig
+from pagedllm.entrypoints.openai.cli_args import ServerConfig, merge_model_args
 from pagedllm.entrypoints.openai.completions import create_completion
 from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers, queue_full
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -33,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.errors import QueueFullError
+from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.models.source import load_tokenizer
 from pagedllm.version import __version__
 
@@ -50,7 +52,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                             engine.engine.model_info.vocab_size, config.chat_template,
                             config.max_prompts_per_request)
     ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser,
-                         log_requests=config.log_requests)
+                         log_requests=config.log_requests,
+                         sampling_defaults=generation_defaults(source, engine_config.generation_config))
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())
@@ -64,8 +67,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return queue_full(str(exc))
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_size)
-    if config.api_key:  # added last: runs first
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_key)
+    if config.cors is not None:  # added last: runs first, so that preflight requests need no key
+        app.add_middleware(CORSMiddleware, **config.cors)
 
     @app.get("/health")
     async def health() -> Response:
@@ -77,6 +82,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                                    f"(a step or a tensor-parallel collective hangs; VLLM_ENGINE_ITERATION_TIMEOUT_S "
                                    f"is {config.iteration_timeout:g})", code="engine_stalled")
         return Response(status_code=200)
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
+        return await health()
 
     @app.get("/version")
     async def version() -> dict:
@@ -133,16 +143,18 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 once drained) or the engine dies (exit 1, for a supervisor to restart)."""
+    merge_model_args(args)
     config = ServerConfig.from_cli_args(args)  # checked before the model loads
     engine = AsyncLLMEngine(from_cli_args(args), engine_process=config.engine_process)
     died: list[EngineDeadError] = []
     try:
         app = build_app(engine, config)
-        log_level = os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
+        log_level = config.uvicorn_log_level or os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").lower()
         server = _DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
                                                 timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_SECONDS,
                                                 limit_concurrency=config.limit_concurrency,
-                                                timeout_keep_alive=config.timeout_keep_alive),
+                                                timeout_keep_alive=config.timeout_keep_alive,
+                                                root_path=config.root_path, **config.ssl),
                                  engine, config.shutdown_timeout)
 
         def engine_died(error: EngineDeadError) -> None:
@@ -154,9 +166,9 @@ def run_server(args: argparse.Namespace) -> int:
         engine.on_dead = engine_died
         _exit_zero_after_graceful_stop()
         names = ", ".join(config.served_model_names or [engine.engine.source.name])
-        logger.info("serving %s at http://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes; engine "
-                    "%s)", names, config.host, config.port, "required" if config.api_key else "off",
-                    config.max_request_size,
+        logger.info("serving %s at %s://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes; engine "
+                    "%s)", names, "https" if config.ssl else "http", config.host, config.port,
+                    "required" if config.api_key else "off", config.max_request_size,
                     "in its own process" if config.engine_process else "on a thread of this process")
         if not config.api_key and not _is_loopback(config.host):
             logger.warning("listening on %s without an API key: anyone who can reach this port can use the model; "

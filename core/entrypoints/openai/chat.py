@@ -28,7 +28,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                    f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
                               param=constraint_field)
         constraint, constraint_field = tool_constraint, "tools"
-    params = body.sampling_params(max_tokens, body.num_logprobs, constraint)
+    params = body.sampling_params(max_tokens, body.num_logprobs, constraint, defaults=ctx.sampling_defaults)
     if tools is not None and tools.mode == "auto" and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # as vLLM: hermes models may mark <tool_call> special, the parser needs it
     prompt = await ctx.prompts.run(ctx.prompts.chat_prompt, body.messages,

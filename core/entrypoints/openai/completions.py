@@ -29,7 +29,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     # generated and left out of the answer.
     max_tokens = 1 if body.prompt_only else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs, constraint,
-                                  prompt_logprobs=body.logprobs if body.echo else None)
+                                  prompt_logprobs=body.logprobs if body.echo else None, defaults=ctx.sampling_defaults)
     prompts = await ctx.prompts.run(ctx.prompts.completion_prompts, body.prompt)
     if not body.prompt_only:
         for prompt in prompts:

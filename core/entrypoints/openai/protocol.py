@@ -105,20 +105,25 @@ class _GenerationRequest(StructuredOutputFields):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
         """Raises ``InvalidRequestError`` naming the field for a value out of range. ``prompt_logprobs`` defaults
-        to the request's own field."""
+        to the request's own field; ``defaults`` (the model's generation config) fill sampling fields left out."""
+        defaults = defaults or {}
+
         def given(value, default):
             return default if value is None else value
 
+        def sampling(name: str, neutral):
+            return given(getattr(self, name), defaults.get(name, neutral))
+
         return SamplingParams(
-            n=self.num_choices, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
-            top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+            n=self.num_choices, temperature=sampling("temperature", 1.0), top_p=sampling("top_p", 1.0),
+            top_k=sampling("top_k", 0), min_p=sampling("min_p", 0.0), seed=self.seed, max_tokens=max_tokens,
             min_tokens=given(self.min_tokens, 0), stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=given(self.include_stop_str_in_output, False),
             ignore_eos=given(self.ignore_eos, False), presence_penalty=given(self.presence_penalty, 0.0),
             frequency_penalty=given(self.frequency_penalty, 0.0),
-            repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+            repetition_penalty=sampling("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
             logprobs=logprobs, prompt_logprobs=given(prompt_logprobs, self.prompt_logprobs),
             skip_special_tokens=given(self.skip_special_tokens, True),
             structured_outputs=structured_outputs)

@@ -34,6 +34,7 @@ class ServingContext:
     max_log_len: int | None = None
     tool_call_parser: str | None = None  # set when auto tool choice is on
     log_requests: bool = False
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # the model's generation config's
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

@@ -1,0 +1,192 @@
+"""What a user coming from vLLM types works as it does there: a model by Hub id from a Hub cache laid out on disk
+(no network), ``--model`` on every command, vLLM's flags (``--config`` YAML, human-readable sizes, CORS, TLS,
+several API keys, GPU-only flags accepted with a warning), and the model's generation_config.json defaults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.entrypoints.config_file import expand_config_file
+from pagedllm.errors import ConfigError, ModelNotFoundError
+from pagedllm.models.source import resolve_model
+
+REPO = "tiny-org/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+
+def hub_cache(root, repo: str, files) -> "Path":  # noqa: F821
+    """A Hugging Face Hub cache as huggingface_hub lays it out: models--org--name/{refs/main, snapshots/COMMIT}."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for f in files:
+        shutil.copy(f, snapshot / f.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    hub_cache(root, REPO, tiny_llama_dir.iterdir())
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot(cache, tiny_llama_dir, tmp_path):
+    source = resolve_model(REPO, download_dir=str(cache))
+    assert source.name == REPO and source.kind == "hf" and source.path.name == COMMIT
+    assert resolve_model(REPO, revision=COMMIT, download_dir=str(cache)).path == source.path
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        resolve_model("tiny-org/missing", download_dir=str(cache))
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        resolve_model(REPO, revision="v9", download_dir=str(cache))
+    with pytest.raises(ModelNotFoundError, match="or a Hub id"):
+        resolve_model("not a path or id")
+    # one GGUF file of a repository, as vLLM's repo:file
+    gguf_repo = hub_cache(tmp_path, "org/gguf", [])
+    (gguf_repo / "model.Q8_0.gguf").write_bytes(b"GGUF")
+    from pagedllm.models import source as source_module
+
+    assert source_module._local_path("org/gguf:model.Q8_0.gguf", None, str(tmp_path), "model") == \
+        gguf_repo / "model.Q8_0.gguf"
+
+
+def test_a_cache_missing_a_shard_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    snapshot = hub_cache(tmp_path, REPO, tiny_llama_dir.iterdir())
+    (snapshot / "model.safetensors").rename(snapshot / "model-00001-of-00002.safetensors")
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ModelNotFoundError, match="model-00002-of-00002.safetensors"):
+        resolve_model(REPO, download_dir=str(tmp_path))
+    (snapshot / "model.safetensors.index.json").unlink()
+    (snapshot / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="no weights"):
+        resolve_model(REPO, download_dir=str(tmp_path))
+
+
+def test_llm_by_hub_id_equals_the_folder(cache, tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    by_id = LLM(REPO, download_dir=str(cache), dtype="float32", kv_cache_space=0.01, trust_remote_code=True)
+    assert by_id.get_tokenizer() is by_id.tokenizer
+    text = by_id.generate("Paris is", params, use_tqdm=False)[0].text
+    by_id.shutdown()
+    local = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_space=0.01)
+    assert text == local.generate("Paris is", params, use_tqdm=False)[0].text
+    local.shutdown()
+
+
+def test_serve_model_flag_from_the_hub_cache_with_vllm_flags(cache, start_server, tmp_path):
+    """vLLM's serve command line, flag for flag, with the model named by Hub id and found in HF_HUB_CACHE."""
+    config = tmp_path / "config.yaml"
+    config.write_text("max_model_len: 0.5K\nenable_prefix_caching: true\nmax-logprobs: 5\n")
+    server = start_server("--model", REPO, "--config", str(config), "--dtype", "float32", "--kv-cache-space",
+                          "0.01", "--trust-remote-code", "--generation-config", "auto", "--uvicorn-log-level",
+                          "warning", "--root-path", "/proxy", "--allowed-origins", '["http://ui.example"]',
+                          "--api-key", "k1,k2", "--gpu-memory-utilization", "0.9", "--enforce-eager",
+                          "--swap-space", "4", "--disable-log-stats",
+                          env={**OFFLINE, "HF_HUB_CACHE": str(cache), "PAGEDLLM_LOGGING_LEVEL": "INFO"})
+    log = server.log()
+    assert "--gpu-memory-utilization has no effect" in log and "--enforce-eager has no effect" in log
+    for key in ("k1", "k2"):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as client:
+            models = client.models.list().data
+            assert [m.id for m in models] == [REPO] and models[0].model_extra["max_model_len"] == 512
+            out = client.completions.create(model=REPO, prompt="Paris is", max_tokens=3, logprobs=5)
+            assert out.usage.prompt_tokens_details.cached_tokens == 0
+            with pytest.raises(openai.BadRequestError):  # --max-logprobs 5, from the YAML file
+                client.completions.create(model=REPO, prompt="x", logprobs=6)
+    # uvicorn puts --root-path in front of the path the middleware sees: the key still guards /v1
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k3"}).status_code == 401
+    assert httpx.get(server.url + "/ping").status_code == 200
+    preflight = httpx.options(server.url + "/v1/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+    assert httpx.options(server.url + "/v1/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}).status_code == 400
+
+
+def test_serve_over_tls(tiny_llama_dir, start_server, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server = start_server(str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-space", "0.01", "--ssl-keyfile",
+                          str(key), "--ssl-certfile", str(cert), scheme="https", verify=str(cert))
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "Paris", "max_tokens": 2},
+                          verify=str(cert))
+    assert server.url.startswith("https://") and response.status_code == 200
+
+
+def test_generation_config_defaults_apply_where_the_request_leaves_them_out(tiny_llama_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 0.7, "eos_token_id": 0}))
+    llm = LLM(str(model), dtype="float32", kv_cache_space=0.01)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.top_k, defaults.temperature) == (1, 0.7)
+    greedy = llm.generate("Paris is", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].text
+    defaults.max_tokens, defaults.ignore_eos = 12, True
+    assert llm.generate("Paris is", use_tqdm=False)[0].text == greedy  # top_k 1: the likeliest token each time
+    llm.shutdown()
+
+
+def test_model_flag_and_positional_model_are_one():
+    parser = build_parser()
+    from pagedllm.entrypoints.openai.cli_args import merge_model_args
+
+    for argv in (["serve", "m"], ["serve", "--model", "m"], ["serve", "m", "--model", "m"]):
+        args = parser.parse_args(argv)
+        merge_model_args(args)
+        assert args.model == "m"
+    args = parser.parse_args(["serve", "a", "--model", "b"])
+    with pytest.raises(ConfigError, match="two models given"):
+        merge_model_args(args)
+    for command in ("generate", "bench throughput"):
+        assert parser.parse_args([*command.split(), "--model", "m"]).model == "m"
+
+
+@pytest.mark.parametrize("value, expected", [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 1 << 20),
+                                             ("4096", 4096)])
+def test_human_readable_sizes(value, expected):
+    assert build_parser().parse_args(["generate", "--max-model-len", value]).max_model_len == expected
+
+
+def test_config_file_flags_lose_to_the_command_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("port: 9000\nmax_model_len: 2k\nenable-prefix-caching: false\nserved_model_name: [a, b]\n")
+    parser = build_parser()
+    args = parser.parse_args(expand_config_file(["serve", "m", "--config", str(config), "--port", "9100"], parser))
+    assert (args.port, args.max_model_len, args.enable_prefix_caching, args.served_model_name) == \
+        (9100, 2000, False, ["a", "b"])
+    config.write_text("no_such_flag: 1\n")
+    with pytest.raises(ConfigError, match="not a flag of this command"):
+        expand_config_file(["serve", "--config", str(config)], parser)
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_offline_missing_model_is_a_clear_cli_error(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model",
+                             "tiny-org/not-here", "--download-dir", str(tmp_path), "hi"],
+                            capture_output=True, text=True, env={**__import__("os").environ, **OFFLINE}, timeout=120)
+    assert result.returncode == 2 and "not in the Hugging Face cache" in result.stderr
+    assert "Traceback" not in result.stderr
