@@ -35,6 +35,16 @@ def test_multibyte_characters_are_never_split(tiny_llama):
     assert [d for d in deltas if d] == ["😀"]
 
 
+def test_a_sequence_ending_mid_character_ends_as_the_full_decode(tiny_llama):
+    """Cut by max_tokens inside a character: the text ends with U+FFFD, as the tokenizer's decode of the tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tok(" ok 😀").input_ids[:-1]
+    deltas, detok, _ = stream(tok, [], ids)
+    assert "".join(deltas) == detok.text == tok.decode(ids) and detok.text.endswith("\ufffd")
+
+
 def test_stop_string_cuts_the_text_and_is_not_streamed(tiny_llama):
     from transformers import AutoTokenizer
 

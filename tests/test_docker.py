@@ -126,7 +126,7 @@ def test_the_entrypoint_is_pagedllm_serve_on_all_interfaces(steps):
     assert PYPROJECT["project"]["scripts"]["pagedllm"] == "pagedllm.entrypoints.cli:main"
     # `docker run IMAGE /models/x --port 9000` appends to it
     args = build_parser().parse_args([*ENTRYPOINT[1:], "/models/my-model", "--port", "9000"])
-    assert (args.command, args.host, args.model, args.port) == ("serve", "0.0.0.0", "/models/my-model", 9000)
+    assert (args.command, args.host, args.model_tag, args.port) == ("serve", "0.0.0.0", "/models/my-model", 9000)
     assert ("EXPOSE", "8000") in steps
 
 

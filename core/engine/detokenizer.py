@@ -2,7 +2,7 @@
 
 Decoding only a short window (a few tokens of context before the new ones) keeps the cost per token
 constant; the context keeps leading spaces right, and a trailing U+FFFD (an incomplete UTF-8
-sequence) holds the text back until the character is complete. Stop strings are matched here too.
+sequence) holds the text back until the character is complete (or the sequence ends). Stop strings are matched here too.
 """
 
 from __future__ import annotations
@@ -51,7 +51,12 @@ class IncrementalDetokenizer:
         return stop
 
     def take_delta(self, finished: bool) -> str:
-        """Text not handed out yet (all of it once finished)."""
+        """Text not handed out yet (all of it once finished: then also an incomplete character held back, as
+        U+FFFD, so that the text equals the tokenizer's decode of all the tokens)."""
+        if finished and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            self.text += self._decode(self._ids[self._prefix_offset:])[len(prefix):]
+            self._prefix_offset = self._read_offset = len(self._ids)
         end = len(self.text) if finished else max(self._sent, len(self.text) - self._holdback)
         delta = self.text[self._sent:end]
         self._sent = end

@@ -454,13 +454,14 @@ class LLMEngine:
         finished = request.status.finished
         detok = request.detokenizer
         logprobs = request.logprobs
+        delta_text = detok.take_delta(finished) if detok is not None else ""  # first: a finish completes the text
         return CompletionOutput(
             index=request.index,
             text=detok.text if detok is not None else "",
             token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
-            delta_text=detok.take_delta(finished) if detok is not None else "",
+            delta_text=delta_text,
             delta_token_ids=[token_id],
             logprobs=logprobs,
             delta_logprobs=logprobs[-1:] if logprobs else None,

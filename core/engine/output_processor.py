@@ -147,9 +147,10 @@ class OutputProcessor:
             request.unfinished -= 1
         finished = finish is not None
         logprobs = seq.logprobs
+        delta_text = detok.take_delta(finished) if detok is not None else ""  # first: a finish completes the text
         return CompletionOutput(
             index=seq.index, text=detok.text if detok is not None else "",
             token_ids=list(seq.token_ids) if finished else seq.token_ids, finish_reason=finish,
-            stop_reason=stop_reason, delta_text=detok.take_delta(finished) if detok is not None else "",
+            stop_reason=stop_reason, delta_text=delta_text,
             delta_token_ids=[token_id], logprobs=logprobs, delta_logprobs=logprobs[-1:] if logprobs else None,
             cumulative_logprob=delta.cumulative_logprob)

@@ -83,9 +83,9 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                                    f"is {config.iteration_timeout:g})", code="engine_stalled")
         return Response(status_code=200)
 
-    @app.get("/ping")
-    @app.post("/ping")
-    async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer
+    @app.get("/ping", include_in_schema=False)
+    @app.post("/ping", include_in_schema=False)
+    async def ping() -> Response:  # vLLM's (SageMaker's) liveness route: /health's answer, and no input
         return await health()
 
     @app.get("/version")
