@@ -18,10 +18,13 @@ configure_logging()
 # public name -> the module that defines it
 _EXPORTS = {
     "LLM": "pagedllm.engine.llm",
+    "AsyncLLM": "pagedllm.engine.async_llm",
+    "AsyncEngineArgs": "pagedllm.config",
     "SamplingParams": "pagedllm.sampling_params",
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "EngineArgs": "pagedllm.config",
     "EngineConfig": "pagedllm.config",

@@ -155,6 +155,9 @@ class EngineArgs:
         return cls(**{k: v for k, v in kwargs.items() if k in names}, backend_options=options)
 
 
+AsyncEngineArgs = EngineArgs  # vLLM's name for the arguments of AsyncLLM.from_engine_args
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Resolved settings. ``max_model_len``, ``max_num_batched_tokens`` and ``block_size`` are final

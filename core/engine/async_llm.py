@@ -316,3 +316,36 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:  # the caller's event loop is closed: nobody is waiting any more
         pass
+
+
+class AsyncLLM:
+    """vLLM's asyncio API over ``AsyncLLMEngine``: ``generate(prompt, sampling_params, request_id)`` is an async
+    iterator of the request's outputs (cumulative text and token ids, as vLLM's default output kind); leaving it
+    early aborts the request. The engine core runs in a process of its own, as in ``pagedllm serve``."""
+
+    def __init__(self, args: EngineArgs | None = None, engine_process: bool = True) -> None:
+        self.engine = AsyncLLMEngine(args, engine_process=engine_process)
+        self.model_config = self.engine.engine  # config, model_info, source
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs | None = None, engine_process: bool = True) -> "AsyncLLM":
+        return cls(args, engine_process)
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str):
+        stream = await self.engine.add([(request_id, prompt, sampling_params or SamplingParams())])
+        async with stream:
+            async for output in stream:
+                yield output
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        self.engine.abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    async def get_tokenizer(self):
+        return self.engine._tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.dead is not None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

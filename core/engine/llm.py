@@ -64,15 +64,25 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"}) or to several."""
+             use_tqdm: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or to several, as vLLM's
+        ``LLM.chat``: ``tools`` (OpenAI's shape) and ``chat_template_kwargs`` reach the chat template;
+        ``continue_final_message`` goes on writing the last (assistant) message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(conv, chat_template, add_generation_prompt) for conv in conversations]
+        prompts = [self.apply_chat_template(conv, chat_template, add_generation_prompt, continue_final_message,
+                                            tools, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> dict:
-        return render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt)
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> dict:
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        return render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt, **kwargs)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

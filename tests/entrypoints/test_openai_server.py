@@ -351,6 +351,8 @@ def test_unknown_fields_are_ignored_as_vllm_does(client):
 def test_usage_details_and_continuous_usage_stats(client):
     out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=3)
     assert out.usage.prompt_tokens_details.cached_tokens == 0  # prefix caching is off on this server
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    assert out.system_fingerprint.startswith("fp_") and chat.system_fingerprint == out.system_fingerprint
     chunks = list(client.completions.create(model=MODEL, prompt="Paris is", max_tokens=3, stream=True,
                                             extra_body=IGNORE_EOS,
                                             stream_options={"include_usage": True, "continuous_usage_stats": True}))

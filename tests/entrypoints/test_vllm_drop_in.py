@@ -190,3 +190,68 @@ def test_offline_missing_model_is_a_clear_cli_error(tmp_path):
                             capture_output=True, text=True, env={**__import__("os").environ, **OFFLINE}, timeout=120)
     assert result.returncode == 2 and "not in the Hugging Face cache" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}("
+    "{% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %}){% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}{{ note or '' }}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_llm_chat_takes_tools_template_kwargs_and_continues_the_final_message(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_space=0.01)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    prompt = llm.apply_chat_template(history, TOOLS_TEMPLATE, tools=[WEATHER],
+                                     chat_template_kwargs={"note": "NOTE"})["prompt"]
+    # the call's arguments reached the template as an object (OpenAI's clients send them as JSON text)
+    assert prompt.startswith("TOOLS:get_weather") and "CALL get_weather(city=Paris)" in prompt
+    assert prompt.endswith("assistant:NOTE")
+    draft = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello"}]
+    assert llm.apply_chat_template(draft, TOOLS_TEMPLATE, continue_final_message=True)["prompt"].endswith("Hello")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.chat(draft, params, chat_template=TOOLS_TEMPLATE, continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith("Hello") and len(out.token_ids) == 4
+    llm.shutdown()
+
+
+def test_async_llm_generate_and_abort(tiny_llama_dir):
+    import asyncio
+
+    from pagedllm import AsyncEngineArgs, AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    local = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_space=0.01)
+    expected = local.generate("Paris is", params, use_tqdm=False)[0].text
+    local.shutdown()
+
+    async def run(engine) -> None:
+        lengths = []
+        async for output in engine.generate("Paris is", params, request_id="a"):
+            lengths.append(len(output.outputs[0].token_ids))
+        assert output.finished and output.outputs[0].text == expected
+        assert lengths == list(range(1, 9))  # cumulative, a token per step
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        async for output in engine.generate("Paris is", long, request_id="b"):
+            if len(output.outputs[0].token_ids) == 2:
+                await engine.abort("b")
+                break
+        for _ in range(100):
+            if engine.engine.requests_tracked == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.engine.requests_tracked == 0 and not engine.errored
+        assert (await engine.get_tokenizer()).decode([5]) == local.tokenizer.decode([5])
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(tiny_llama_dir), dtype="float32",
+                                                       kv_cache_space=0.01))
+    try:
+        asyncio.run(run(engine))
+    finally:
+        engine.shutdown()

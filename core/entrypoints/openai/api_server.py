@@ -32,7 +32,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     check_text_fields,
 )
-from pagedllm.entrypoints.openai.serving import ServingContext
+from pagedllm.entrypoints.openai.serving import ServingContext, system_fingerprint
 from pagedllm.errors import QueueFullError
 from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.models.source import load_tokenizer
@@ -53,7 +53,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                             config.max_prompts_per_request)
     ctx = ServingContext(engine, prompts, model_names, config.max_log_len, config.tool_call_parser,
                          log_requests=config.log_requests,
-                         sampling_defaults=generation_defaults(source, engine_config.generation_config))
+                         sampling_defaults=generation_defaults(source, engine_config.generation_config),
+                         system_fingerprint=system_fingerprint(__version__, engine_config.backend,
+                                                               engine.engine.model_info.dtype, source.path,
+                                                               sorted(engine_config.backend_options.items())))
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())

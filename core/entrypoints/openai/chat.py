@@ -37,7 +37,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     response_id, stream = await ctx.start("chatcmpl", [prompt], params, constraint_field,
                                           fields={"logprobs": "top_logprobs"})
     num_prompt_tokens = len(prompt["prompt_token_ids"])
-    header = {"id": response_id, "created": created(), "model": model}
+    header = {"id": response_id, "created": created(), "model": model,
+              "system_fingerprint": ctx.system_fingerprint}
     if body.stream:
         header["object"] = "chat.completion.chunk"
         return streaming_response(_events(body, ctx, stream, num_prompt_tokens, header, tools), stream)

@@ -36,7 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             ctx.prompts.max_tokens(prompt, body.max_tokens, "max_tokens")
     fields = {"prompt_logprobs": "logprobs"} if body.echo and body.logprobs is not None else None
     response_id, stream = await ctx.start("cmpl", prompts, params, constraint_field, fields=fields)
-    header = {"id": response_id, "object": "text_completion", "created": created(), "model": model}
+    header = {"id": response_id, "object": "text_completion", "created": created(), "model": model,
+              "system_fingerprint": ctx.system_fingerprint}
     if body.stream:
         return streaming_response(_events(body, ctx, stream, prompts, header), stream)
     return await unless_disconnected(request, _collect(body, ctx, stream, prompts, header), stream)

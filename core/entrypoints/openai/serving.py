@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # set when auto tool choice is on
     log_requests: bool = False
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # the model's generation config's
+    system_fingerprint: str = ""
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -71,6 +73,12 @@ class ServingContext:
             text, ids = prompt["prompt"], prompt["prompt_token_ids"]
             logger.info("request %s-%d: %d prompt tokens, %s, prompt %r, token ids %s", response_id, i, len(ids),
                         params, text[:limit] if limit is not None else text, ids[:limit] if limit is not None else ids)
+
+
+def system_fingerprint(*parts) -> str:
+    """OpenAI's ``system_fingerprint``: changes when what produces the answers does (version, backend, dtype,
+    model), so a client can tell why the same seed gave another text."""
+    return "fp_" + hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:10]
 
 
 def prompt_index(request_id: str) -> int:
