@@ -66,6 +66,7 @@ class Request:
         self.prompt_logprobs: list[dict | None] | None = \
             [None] if params.prompt_logprobs is not None and index == 0 else None
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first admission
+        self.bad_word_ids: list[list[int]] = []  # params.bad_words as token ids, set by the engine
 
     @property
     def num_tokens(self) -> int:

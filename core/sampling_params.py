@@ -137,6 +137,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is taken too
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    bad_words: list[str] | None = None  # words never generated (each as the tokenizer writes it, with or without
+    # a leading space)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -191,6 +194,14 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative 64-bit integers")
         if self.logit_bias and any(not 0 <= k <= INT64_MAX or not math.isfinite(v) for k, v in self.logit_bias.items()):
             raise bad("logit_bias", "maps non-negative token ids to finite numbers")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not _is_int(t) or not 0 <= t <= INT64_MAX
+                                                  for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w for w in self.bad_words)):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        check_text(self.bad_words, "bad_words")
         check_text(self.stop, "stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters long")

@@ -107,3 +107,17 @@ def test_a_seed_past_64_bits_is_refused(seed):
     with pytest.raises(InvalidRequestError, match="seed must be an integer in") as info:
         SamplingParams(seed=seed)
     assert info.value.param == "seed"
+
+
+def test_allowed_token_ids_and_bad_words():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    assert Sampler(0)(logits.clone(), [req(temperature=0, allowed_token_ids=[0, 1])]).token_ids == [1]
+    r = req(temperature=0)
+    r.bad_word_ids = [[3], [2, 1]]  # a one-token word, and a two-token one whose first token ends the output
+    assert Sampler(0)(logits.clone(), [r]).token_ids == [2]
+    r.append_token(2)
+    assert Sampler(0)(torch.tensor([[0.0, 2.5, 2.0, 3.0]]), [r]).token_ids == [2]  # 1 would complete [2, 1]
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(InvalidRequestError, match="bad_words"):
+        SamplingParams(bad_words=["ok", ""])

@@ -8,6 +8,7 @@ sampling, stop conditions) happens here.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import time
@@ -192,6 +193,8 @@ class LLMEngine:
                       compile_now: bool = True) -> Request:
         request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
                           group_id=group_id, index=index)
+        if params.bad_words:
+            request.bad_word_ids = self._bad_word_ids(tuple(params.bad_words))
         if params.structured_outputs is not None and compile_now:  # once per distinct constraint; a bad one raises
             request.grammar = self.structured_outputs.new_state(params.structured_outputs, stop_ids)
         if params.detokenize:
@@ -199,6 +202,17 @@ class LLMEngine:
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output)
         return request
+
+    @functools.lru_cache(maxsize=256)
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """Each bad word's token ids as the tokenizer writes it alone and after a space, as vLLM bans them."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip(" ")):
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
@@ -213,6 +227,8 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n ({params.n}) is more than max_num_seqs ({self.config.max_num_seqs})",
                                       param="n")
+        if params.allowed_token_ids and any(not 0 <= t < vocab for t in params.allowed_token_ids):
+            raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         config = self.config

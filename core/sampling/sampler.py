@@ -1,7 +1,7 @@
 """From logits of the sampled rows to one token each, for the whole batch at once.
 
-Order per row, as in vLLM: a structured-output grammar's token mask, logit bias and min_tokens, penalties,
-then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a seed draws from its own
+Order per row, as in vLLM: a structured-output grammar's token mask, allowed token ids and bad words, logit bias
+and min_tokens, penalties, then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a seed draws from its own
 generator, so its tokens do not depend on what else is in the batch; the others share the engine's generator.
 """
 
@@ -32,7 +32,8 @@ class Sampler:
         raised can be sampled again request by request."""
         if logits.dtype != torch.float32:
             logits = logits.to(torch.float32)
-        elif any(r.params.logit_bias or r.params.needs_penalties for r in requests):
+        elif any(r.params.logit_bias or r.params.needs_penalties or r.params.allowed_token_ids or r.bad_word_ids
+                 for r in requests):
             logits = logits.clone()
         want_logprobs = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
@@ -61,6 +62,14 @@ class Sampler:
         vocab = logits.shape[-1]
         for i, request in enumerate(requests):
             params = request.params
+            if params.allowed_token_ids:
+                allowed = torch.full((vocab,), float("-inf"))
+                allowed[params.allowed_token_ids] = 0.0
+                logits[i] += allowed
+            for word in request.bad_word_ids:  # its last token, where the output so far ends with the others
+                if len(word) == 1 or request.output_token_ids[-(len(word) - 1):] == word[:-1]:
+                    if word[-1] < vocab:
+                        logits[i, word[-1]] = float("-inf")
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias.keys()))
                 logits[i, ids] += torch.tensor(list(params.logit_bias.values()))

@@ -134,6 +134,20 @@ def test_sampling_fields_map_like_the_offline_api(client, llm):
     assert out.choices[0].text == expected.text
 
 
+def test_allowed_token_ids_and_bad_words(client, llm):
+    out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=8, temperature=0, logprobs=0,
+                                    extra_body={"allowed_token_ids": [40, 41, 42], **IGNORE_EOS}).choices[0]
+    assert set(out.logprobs.tokens) <= {llm.tokenizer.decode([t]) for t in (40, 41, 42)}
+    plain = llm.generate("Paris is", greedy(8), use_tqdm=False)[0].token_ids
+    word = llm.tokenizer.decode(plain[:2])
+    banned = llm.generate("Paris is", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]),
+                          use_tqdm=False)[0].token_ids
+    assert banned != plain and word not in llm.tokenizer.decode(banned)
+    served = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=8, temperature=0,
+                                       extra_body={"bad_words": [word], **IGNORE_EOS}).choices[0].text
+    assert served == llm.tokenizer.decode(banned)
+
+
 def test_stop_strings_and_stop_token_ids(client, llm):
     free = llm.generate("Paris is", greedy(16), use_tqdm=False)[0]
     stop = free.text[4:7]

@@ -76,6 +76,8 @@ class _GenerationRequest(StructuredOutputFields):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def check_supported(self, endpoint: str) -> None:
         check_text_fields(self)
@@ -126,7 +128,8 @@ class _GenerationRequest(StructuredOutputFields):
             repetition_penalty=sampling("repetition_penalty", 1.0), logit_bias=self._logit_bias(),
             logprobs=logprobs, prompt_logprobs=given(prompt_logprobs, self.prompt_logprobs),
             skip_special_tokens=given(self.skip_special_tokens, True),
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
