@@ -1,8 +1,9 @@
 """From logits of the sampled rows to one token each, for the whole batch at once.
 
 Order per row, as in vLLM: a structured-output grammar's token mask, allowed token ids and bad words, logit bias
-and min_tokens, penalties, then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a seed draws from its own
-generator, so its tokens do not depend on what else is in the batch; the others share the engine's generator.
+and min_tokens, penalties, then greedy argmax or temperature, top-k / top-p / min-p and a draw. A request with a
+seed draws from its own generator, so its tokens do not depend on what else is in the batch; the others share the
+engine's generator.
 """
 
 from __future__ import annotations
