@@ -47,7 +47,7 @@ def test_api_key_flag_beats_env_vars():
     (["--max-request-size", "0"], "--max-request-size must be a positive number of bytes"),
     (["--max-log-len", "-1"], "--max-log-len must be 0 or more"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds"),
-    (["--enable-auto-tool-choice"], r"--enable-auto-tool-choice needs --tool-call-parser \(hermes\)"),
+    (["--enable-auto-tool-choice"], r"--enable-auto-tool-choice needs --tool-call-parser \(hermes, llama3_json"),
 ])
 def test_bad_values_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -80,12 +80,72 @@ def test_streamed_calls_equal_the_whole_response(name, size):
     assert streamed_calls == expected_calls and streamed_content == (content or "")
 
 
-def test_a_tool_call_nested_past_the_json_parser_stays_text():
-    """Deep nesting makes Python's JSON parser raise RecursionError: the block is not a call, whole or streamed."""
-    text = '<tool_call>{"name": "get_time", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+PARSER_CASES = {
+    # name: (parser, text, content, calls); arguments as the model wrote them (JSON formats) or as JSON made of
+    # the parameters (XML format)
+    "hermes-qwen3-style": ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                     '</tool_call>', None, [("get_weather", '{"city": "Paris"}')]),
+    "hermes-arguments-as-text": ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": 1}"}</tool_call>',
+                                 None, [("get_time", '{"tz": 1}')]),
+    "llama3-json": ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+                    [("get_weather", '{"city": "Paris"}')]),
+    "llama3-json-python-tag-two-calls": (
+        "llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                       '{"name": "get_time", "parameters": {}}', None,
+        [("get_weather", '{"city": "Rome"}'), ("get_time", "{}")]),
+    "llama3-json-text": ("llama3_json", "Paris is sunny {not a call}", "Paris is sunny {not a call}", []),
+    "mistral-array": ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": '
+                                 '"Paris"}}, {"name": "get_time", "arguments": {}}]', "Let me check. ",
+                      [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    "mistral-named": ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', None,
+                      [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    "mistral-text": ("mistral", "No tools needed [really].", "No tools needed [really].", []),
+    "pythonic": ("pythonic", '[get_weather(city="Paris", days=3), get_time()]', None,
+                 [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]),
+    "pythonic-llama4-tags": ("pythonic", "<|python_start|>[get_time(tz='UTC')]<|python_end|>", None,
+                             [("get_time", '{"tz": "UTC"}')]),
+    "pythonic-text": ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
+    "qwen3-xml": ("qwen3_xml", "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                               "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+                  "I will look.\n", [("get_weather", '{"city": "Paris", "days": 3}')]),
+    "qwen3-coder-string-typed": ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n"
+                                                "</parameter>\n</function>\n</tool_call>", None,
+                                 [("get_weather", '{"city": "42"}')]),  # the schema says string
+    "qwen3-xml-not-a-call": ("qwen3_xml", "<tool_call>oops</tool_call> done", "<tool_call>oops</tool_call> done", []),
+}
+
+
+@pytest.mark.parametrize("name", PARSER_CASES)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_every_parser_streams_what_the_whole_response_says(name, size):
+    parser, text, content, calls = PARSER_CASES[name]
+    tools = calling("auto", parser)
+    expected_calls = [{"name": n, "arguments": a} for n, a in calls]
+    got_content, got_calls, reason = whole(tools, text)
+    assert (got_content, got_calls) == (content, expected_calls)
+    assert reason == ("tool_calls" if calls else "stop")
+    assert streamed(tools, text, size) == ((content or ""), expected_calls)
+    for call in expected_calls:
+        json.loads(call["arguments"])
+
+
+def test_arguments_stream_as_they_are_written():
+    """A client sees a JSON call's arguments grow token by token, not at the end of the call."""
+    stream = calling("auto", "hermes").stream()
+    _, deltas = stream.feed('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"ci'}]
+    _, deltas = stream.feed('ty": "Pa')
+    assert deltas == [{"index": 0, "function": {"arguments": 'ty": "Pa'}}]
+
+
+def test_a_tool_call_nested_past_the_json_parser_is_read_without_recursion():
+    """Nesting deeper than Python's JSON parser takes (it would raise RecursionError) is scanned, not parsed: the
+    arguments stream as written, whole or streamed alike."""
+    arguments = "[" * 100_000 + "]" * 100_000
+    text = '<tool_call>{"name": "get_time", "arguments": ' + arguments + "}</tool_call>"
     tools = calling("auto")
-    assert whole(tools, text) == (text, [], "stop")
-    assert streamed(tools, text, 4096) == (text, [])
+    assert whole(tools, text) == (None, [{"name": "get_time", "arguments": arguments}], "tool_calls")
+    assert streamed(tools, text, 4096) == ("", [{"name": "get_time", "arguments": arguments}])
 
 
 def test_cut_by_max_tokens():
@@ -116,7 +176,7 @@ def test_what_each_tool_choice_asks_for():
 
 
 @pytest.mark.parametrize("tool_choice, parser, message", [
-    (None, None, "--enable-auto-tool-choice --tool-call-parser hermes"),  # auto by default
+    (None, None, "--enable-auto-tool-choice --tool-call-parser NAME"),  # auto by default
     ("auto", None, "--enable-auto-tool-choice"),
     ({"type": "function", "function": {"name": "nope"}}, "hermes", "'nope', which is not among the tools"),
 ])
@@ -157,3 +217,10 @@ def test_bad_request_fields(fields, param, message):
     with pytest.raises(OpenAIError, match=message) as info:
         CompletionRequest.model_validate({"prompt": "x", **fields}).structured_outputs_params()
     assert info.value.param == param
+
+
+def test_the_parsers_the_cli_offers_are_the_ones_there_are():
+    from pagedllm.entrypoints.openai.cli_args import TOOL_CALL_PARSERS
+    from pagedllm.entrypoints.openai.tool_parsers import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)

@@ -56,7 +56,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                          sampling_defaults=generation_defaults(source, engine_config.generation_config),
                          system_fingerprint=system_fingerprint(__version__, engine_config.backend,
                                                                engine.engine.model_info.dtype, source.path,
-                                                               sorted(engine_config.backend_options.items())))
+                                                               sorted(engine_config.backend_options.items())),
+                         reasoning_parser=config.reasoning_parser)
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())

@@ -11,6 +11,7 @@ from pagedllm.engine.async_llm import OutputStream
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 from pagedllm.entrypoints.openai.serving import ServingContext, created, streaming_response, unless_disconnected, usage
 from pagedllm.entrypoints.openai.tool_calls import ToolCalling
 
@@ -62,9 +63,15 @@ async def _collect(body: ChatCompletionRequest, ctx: ServingContext, stream: Out
         if body.logprobs:
             logprobs = {"content": chat_logprobs(completion.token_ids, completion.logprobs, ctx.prompts.token_text,
                                                  body.num_logprobs)}
-        message, finish_reason = {"role": "assistant", "content": completion.text}, completion.finish_reason
+        reasoning, text = None, completion.text
+        if ctx.reasoning_parser is not None:
+            reasoning, text = split_reasoning(ctx.reasoning_parser, text)
+        message, finish_reason = {"role": "assistant", "content": text}, completion.finish_reason
         if tools is not None:
-            message, finish_reason = tools.message(completion.text, finish_reason)
+            message, finish_reason = tools.message(text, finish_reason)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+            message["content"] = message["content"] or None
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                         "stop_reason": completion.stop_reason})
     completion_tokens = sum(len(c.token_ids) for c in finals.values())
@@ -89,6 +96,8 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
         yield chunk(index, {"role": "assistant", "content": ""})
     cached = 0
     tool_streams = {index: tools.stream() for index in range(body.num_choices)} if tools is not None else {}
+    reasoning_streams = {index: ReasoningStream(ctx.reasoning_parser) for index in range(body.num_choices)} \
+        if ctx.reasoning_parser is not None else {}
     async for output in stream:
         cached = output.num_cached_tokens
         for completion in output.outputs:
@@ -98,6 +107,13 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
                 logprobs = {"content": chat_logprobs(completion.delta_token_ids, completion.delta_logprobs,
                                                      ctx.prompts.token_text, body.num_logprobs)}
             content, calls, finish_reason = completion.delta_text, [], completion.finish_reason
+            reasoning = ""
+            reasoning_stream = reasoning_streams.get(completion.index)
+            if reasoning_stream is not None:
+                reasoning, content = reasoning_stream.feed(content)
+                if completion.finished:
+                    more_reasoning, more_content = reasoning_stream.finish()
+                    reasoning, content = reasoning + more_reasoning, content + more_content
             tool_stream = tool_streams.get(completion.index)
             if tool_stream is not None:
                 content, calls = tool_stream.feed(content)
@@ -105,8 +121,10 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
                     more_content, more_calls = tool_stream.finish()
                     content, calls = content + more_content, calls + more_calls
                     finish_reason = tool_stream.finish_reason(finish_reason)
-            if content or calls or completion.finished or logprobs:
+            if content or calls or reasoning or completion.finished or logprobs:
                 delta = {"content": content} if content else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if calls:
                     delta["tool_calls"] = calls
                 yield chunk(completion.index, delta, logprobs, finish_reason, completion.stop_reason)

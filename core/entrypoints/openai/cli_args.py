@@ -14,7 +14,9 @@ from pagedllm.errors import ConfigError
 API_KEY_ENVS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
 ITERATION_TIMEOUT_ENVS = ("PAGEDLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_ENGINE_ITERATION_TIMEOUT_S")
 DEFAULT_MAX_REQUEST_SIZE = 10 * 1024 * 1024
-TOOL_CALL_PARSERS = ("hermes",)  # tool_calls.py reads each
+# tool_parsers.PARSERS reads each (named here too, so the CLI imports no server code)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # reasoning.py reads each
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +81,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help='let chat requests with tools use tool_choice "auto" (the default with tools): the '
                             "model's tool calls are parsed out of its text by --tool-call-parser")
     tools.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="how tool calls are written in the model's text: hermes, <tool_call>{json}</tool_call>")
+                       help="how tool calls are written in the model's text, as vLLM names the formats: hermes "
+                            "(<tool_call>{json}</tool_call>), llama3_json, mistral, pythonic, qwen3_xml (= "
+                            "qwen3_coder)")
+    reasoning = parser.add_argument_group("reasoning")
+    reasoning.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                           help="put a thinking model's <think>...</think> text in the message's reasoning_content "
+                                "(deepseek_r1: the output starts inside the reasoning; qwen3: only when it starts "
+                                "with <think>)")
     add_cli_args(parser)
 
 
@@ -112,6 +121,7 @@ class ServerConfig:
     uvicorn_log_level: str | None = None
     cors: dict | None = None  # CORSMiddleware's arguments, when --allowed-origins is given
     ssl: dict = dataclasses.field(default_factory=dict)  # uvicorn's ssl_* arguments
+    reasoning_parser: str | None = None
     iteration_timeout: float = 60.0  # /health answers 503 after this long without a step while requests run
 
     @classmethod
@@ -164,7 +174,8 @@ class ServerConfig:
                    max_request_size=args.max_request_size, shutdown_timeout=args.shutdown_timeout,
                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                    iteration_timeout=iteration_timeout, root_path=args.root_path or "",
-                   uvicorn_log_level=args.uvicorn_log_level, cors=cors, ssl=ssl)
+                   uvicorn_log_level=args.uvicorn_log_level, cors=cors, ssl=ssl,
+                   reasoning_parser=args.reasoning_parser)
 
 
 def load_chat_template(value: str | None) -> str | None:

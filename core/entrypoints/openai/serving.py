@@ -37,6 +37,7 @@ class ServingContext:
     log_requests: bool = False
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # the model's generation config's
     system_fingerprint: str = ""
+    reasoning_parser: str | None = None
 
     def check_model(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""

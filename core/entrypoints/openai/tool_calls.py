@@ -4,8 +4,8 @@
   output is the call's arguments.
 - ``"required"``: the output is held to a JSON array of ``{"name": ..., "parameters": {...}}``, one of the functions
   each; every element is a call.
-- ``"auto"`` (with ``--enable-auto-tool-choice --tool-call-parser hermes``): the model writes freely; each
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in its text is a call, the rest is content.
+- ``"auto"`` (with ``--enable-auto-tool-choice --tool-call-parser NAME``): the model writes freely; the calls are
+  read out of its text as its family writes them (``tool_parsers``), the rest is content.
 - ``"none"``, or no tools: plain text.
 
 One ``ToolCallStream`` per choice turns text deltas into OpenAI's deltas (content and/or ``tool_calls`` entries: the
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedllm.entrypoints.openai.cli_args import TOOL_CALL_PARSERS  # noqa: F401 (the parsers this module has)
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.tool_parsers import PARSERS
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallStream, header, more_arguments
 from pagedllm.sampling_params import StructuredOutputsParams
 
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _REQUIRED_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -70,11 +69,12 @@ class ToolCalling:
     the parsing of the output."""
 
     def __init__(self, mode: str, tools: list[ChatTool], name: str | None = None,
-                 parallel_tool_calls: bool = True) -> None:
+                 parallel_tool_calls: bool = True, parser: str | None = None) -> None:
         self.mode = mode  # "named" | "required" | "auto"
         self.tools = tools
         self.name = name
         self.parallel_tool_calls = parallel_tool_calls
+        self.parser = parser  # for "auto": how the model writes calls
 
     @classmethod
     def for_request(cls, body: ToolFields, parser: str | None) -> "ToolCalling | None":
@@ -98,9 +98,9 @@ class ToolCalling:
             return cls("required", body.tools, None, parallel)
         if parser is None:  # "auto", given or by default
             raise OpenAIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
-                                   '--enable-auto-tool-choice --tool-call-parser hermes; or send tool_choice '
+                                   '--enable-auto-tool-choice --tool-call-parser NAME; or send tool_choice '
                                    '"required", a named function, or "none"', param="tool_choice")
-        return cls("auto", body.tools, None, parallel)
+        return cls("auto", body.tools, None, parallel, parser)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar the output follows: the named function's parameters, or an array of calls."""
@@ -127,7 +127,7 @@ class ToolCalling:
             return _NamedStream(self.name)
         if self.mode == "required":
             return _RequiredStream()
-        return _HermesStream()
+        return PARSERS[self.parser](self.tools)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The whole response's message and finish reason."""
@@ -154,35 +154,6 @@ def _parameters(function: FunctionDefinition) -> dict:
     return function.parameters if function.parameters else _NO_PARAMETERS
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _header(index: int, name: str, arguments: str = "") -> dict:
-    return {"index": index, "id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _arguments(index: int, arguments: str) -> dict:
-    return {"index": index, "function": {"arguments": arguments}}
-
-
-class ToolCallStream:
-    """Text deltas in; (content delta, tool_calls delta entries) out."""
-
-    def __init__(self) -> None:
-        self.num_calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        raise NotImplementedError
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """The end of the output: what was held back."""
-        return "", []
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if reason == "stop" and self.num_calls else reason
-
-
 class _NamedStream(ToolCallStream):
     """The whole output is the arguments of one call."""
 
@@ -193,8 +164,8 @@ class _NamedStream(ToolCallStream):
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if not self.num_calls:
             self.num_calls = 1
-            return "", [_header(0, self.name, text)]
-        return "", [_arguments(0, text)] if text else []
+            return "", [header(0, self.name, text)]
+        return "", [more_arguments(0, text)] if text else []
 
     def finish(self) -> tuple[str, list[dict]]:
         return self.feed("") if not self.num_calls else ("", [])
@@ -229,7 +200,7 @@ class _RequiredStream(ToolCallStream):
                 self.item += char
                 match = _REQUIRED_HEADER.fullmatch(self.item)
                 if match:
-                    deltas.append(_header(self.num_calls, json.loads(match.group(1))))
+                    deltas.append(header(self.num_calls, json.loads(match.group(1))))
                     self.num_calls += 1
                     self.in_arguments = True
             elif self.depth == 0 and char == "]":
@@ -243,7 +214,7 @@ class _RequiredStream(ToolCallStream):
         if deltas and deltas[-1]["index"] == self.num_calls - 1:
             deltas[-1]["function"]["arguments"] += arguments
         else:
-            deltas.append(_arguments(self.num_calls - 1, arguments))
+            deltas.append(more_arguments(self.num_calls - 1, arguments))
 
     def _scan(self, char: str) -> None:
         if self.in_string:
@@ -262,70 +233,3 @@ class _RequiredStream(ToolCallStream):
 
     def finish(self) -> tuple[str, list[dict]]:
         return ("" if self.num_calls else self.unfinished), []
-
-
-class _HermesStream(ToolCallStream):
-    """Content, with ``<tool_call>{json}</tool_call>`` blocks taken out as calls (whole, once the block closes).
-    A block whose JSON does not parse stays in the content."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.buffer = ""
-        self.in_call = False
-
-    def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.buffer += text
-        content, deltas = "", []
-        while True:
-            if not self.in_call:
-                start = self.buffer.find(_HERMES_OPEN)
-                if start < 0:
-                    keep = _partial_suffix(self.buffer, _HERMES_OPEN)
-                    content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    return content, deltas
-                content += self.buffer[:start]
-                self.buffer = self.buffer[start:]
-                self.in_call = True
-            end = self.buffer.find(_HERMES_CLOSE)
-            if end < 0:
-                return content, deltas
-            block = self.buffer[:end + len(_HERMES_CLOSE)]
-            self.buffer = self.buffer[len(block):]
-            self.in_call = False
-            call = self._call(block[len(_HERMES_OPEN):-len(_HERMES_CLOSE)])
-            if call is None:
-                content += block
-            else:
-                deltas.append(call)
-
-    def _call(self, body: str) -> dict | None:
-        """A tool call's header, or None when the block is not one; JSON nested too deep for Python's parser (a
-        model can write any text) is not one either."""
-        try:
-            parsed = json.loads(body)
-            if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-                return None
-            arguments = parsed.get("arguments", parsed.get("parameters", {}))
-            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        except (json.JSONDecodeError, RecursionError):
-            return None
-        self.num_calls += 1
-        return _header(self.num_calls - 1, parsed["name"], arguments)
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """An unclosed block: a call if its JSON is complete (the model stopped before the closing tag)."""
-        rest, self.buffer = self.buffer, ""
-        if self.in_call:
-            call = self._call(rest[len(_HERMES_OPEN):])
-            if call is not None:
-                return "", [call]
-        return rest, []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could begin ``tag`` (held back until the next delta)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
