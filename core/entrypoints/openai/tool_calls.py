@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.tool_parsers import PARSERS
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallStream, header, more_arguments
+from pagedllm.entrypoints.openai.tool_parsers.base import JsonScanner, ToolCallStream, header, more_arguments
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _REQUIRED_HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "parameters": ')
@@ -177,8 +177,7 @@ class _RequiredStream(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self.depth = 0
-        self.in_string = self.escaped = False
+        self.scanner = JsonScanner()  # its depth: 1 in the array, 2 in an element
         self.item = ""  # the current element's text up to its arguments
         self.in_arguments = False
         self.unfinished = ""  # all text since the last complete element
@@ -188,22 +187,23 @@ class _RequiredStream(ToolCallStream):
         arguments = ""
         for char in text:
             self.unfinished += char
-            closes_item = not self.in_string and char == "}" and self.depth == 2
-            self._scan(char)
+            scanner = self.scanner
+            closes_item = not scanner.in_string and char == "}" and scanner.depth == 2
+            scanner.step(char)
             if self.in_arguments:
                 if closes_item:
                     self._flush(deltas, arguments)
                     arguments, self.in_arguments, self.item, self.unfinished = "", False, "", ""
                 else:
                     arguments += char
-            elif self.depth >= 2 or closes_item:
+            elif scanner.depth >= 2 or closes_item:
                 self.item += char
                 match = _REQUIRED_HEADER.fullmatch(self.item)
                 if match:
                     deltas.append(header(self.num_calls, json.loads(match.group(1))))
                     self.num_calls += 1
                     self.in_arguments = True
-            elif self.depth == 0 and char == "]":
+            elif scanner.depth == 0 and char == "]":
                 self.unfinished = ""
         self._flush(deltas, arguments)
         return "", deltas
@@ -215,21 +215,6 @@ class _RequiredStream(ToolCallStream):
             deltas[-1]["function"]["arguments"] += arguments
         else:
             deltas.append(more_arguments(self.num_calls - 1, arguments))
-
-    def _scan(self, char: str) -> None:
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif char == "\\":
-                self.escaped = True
-            elif char == '"':
-                self.in_string = False
-        elif char == '"':
-            self.in_string = True
-        elif char in "[{":
-            self.depth += 1
-        elif char in "]}":
-            self.depth -= 1
 
     def finish(self) -> tuple[str, list[dict]]:
         return ("" if self.num_calls else self.unfinished), []

@@ -87,28 +87,30 @@ class JsonScanner:
                 self.end = match.end()
             return self.end
         for j in range(i, len(text)):
-            char = text[j]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        self.end = j + 1
-                        return self.end
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.end = j + 1
-                    return self.end
+            if self.step(text[j]):
+                self.end = j + 1
+                return self.end
         self.position = len(text)
         return None
+
+    def step(self, char: str) -> bool:
+        """Take one character of a string, object or array; True if it ends the value."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+                return self.depth == 0
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
 
 
 class ToolCallStream:
