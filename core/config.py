@@ -99,6 +99,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(fp16 runs as bf16 on the cpu backend)",
             KV_CACHE_DTYPES, aliases={"bfloat16": "bf16", "float32": "fp32", "f32": "fp32", "float16": "fp16",
                                       "f16": "fp16"}),
+    Setting("scheduling_policy", str, "fcfs", "which waiting request runs first: fcfs (arrival order) or priority "
+            "(a request's priority, lower first, then arrival; the most recent of the lowest priority is preempted "
+            "first), as vLLM's", ("fcfs", "priority")),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
@@ -136,6 +139,7 @@ class EngineArgs:
     kv_cache_space: float | None = None
     seed: int | None = None
     kv_cache_dtype: str | None = None
+    scheduling_policy: str | None = None
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
     max_logprobs: int | None = None
@@ -180,6 +184,7 @@ class EngineConfig:
     kv_cache_space: float
     seed: int
     kv_cache_dtype: str
+    scheduling_policy: str = "fcfs"
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
     max_logprobs: int = 20

@@ -27,7 +27,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, arrival_time: float | None = None,
-                 stop_ids: frozenset[int] = frozenset(), group_id: str | None = None, index: int = 0) -> None:
+                 stop_ids: frozenset[int] = frozenset(), group_id: str | None = None, index: int = 0,
+                 priority: int = 0) -> None:
         self.request_id = request_id
         # With n > 1, the n sequences are requests of one group; sequence 0 forks the others once its
         # prompt is computed, so they share the prompt's KV blocks.
@@ -42,6 +43,7 @@ class Request:
         self.params = params
         self.stop_ids = stop_ids  # EOS ids (unless ignore_eos) plus stop_token_ids
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority  # with the priority scheduling policy: lower runs first
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 

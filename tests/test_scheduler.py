@@ -152,3 +152,17 @@ def test_same_step_prefix_sharing():
     out = step(sched)
     assert plan(out) == [("a", 9), ("b", 1)]  # b shares a's two full blocks within the step
     assert b.block_ids[:2] == a.block_ids[:2]
+
+
+def test_priority_policy_admits_by_priority_and_preempts_the_lowest():
+    kv = KVCacheManager(6, BS, False)
+    sched = Scheduler(kv, 8, 64, False, policy="priority")
+    for rid, priority in (("late-low", 5), ("high", -1), ("mid", 0), ("high-later", -1)):
+        r = Request(rid, [1000 + i for i in range(8)], SamplingParams(max_tokens=8, ignore_eos=True),
+                    priority=priority)
+        sched.add_request(r)
+    assert [r.request_id for r in sched.waiting] == ["high", "high-later", "mid", "late-low"]
+    assert plan(step(sched)) == [("high", 8), ("high-later", 8), ("mid", 8)]  # 6 blocks: no room for late-low
+    out = step(sched)  # each needs a third block now: the lowest priority running one is preempted
+    assert [r.request_id for r in out.preempted] == ["mid"]
+    assert [r.request_id for r in sched.waiting] == ["mid", "late-low"]

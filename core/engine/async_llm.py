@@ -141,8 +141,10 @@ class AsyncLLMEngine:
         self._receiver.start()
 
     # -- the callers' side ------------------------------------------------------------------------------------
-    async def add(self, requests: Sequence[RequestSpec], arrival_time: float | None = None) -> OutputStream:
-        """Queue requests all or none: raises the first request's ``InvalidRequestError`` and queues nothing."""
+    async def add(self, requests: Sequence[RequestSpec], arrival_time: float | None = None,
+                  priority: int = 0) -> OutputStream:
+        """Queue requests all or none: raises the first request's ``InvalidRequestError`` and queues nothing.
+        ``priority`` (all of them) matters under the priority scheduling policy."""
         loop = asyncio.get_running_loop()
         stream = OutputStream(self, [request_id for request_id, _, _ in requests])
         prompts = []
@@ -155,7 +157,7 @@ class AsyncLLMEngine:
                 raise self._dead
             if not self._routes and not self._front.requests_tracked:
                 self._last_progress = time.monotonic()  # the watch starts with the work, not at the last step
-            self._front.add(prompts, arrival_time or time.time(), _Add(loop, stream._queue, done))
+            self._front.add(prompts, arrival_time or time.time(), _Add(loop, stream._queue, done), priority)
         try:
             await done
         except asyncio.CancelledError:
@@ -331,8 +333,10 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs | None = None, engine_process: bool = True) -> "AsyncLLM":
         return cls(args, engine_process)
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str):
-        stream = await self.engine.add([(request_id, prompt, sampling_params or SamplingParams())])
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
+                       priority: int = 0):
+        stream = await self.engine.add([(request_id, prompt, sampling_params or SamplingParams())],
+                                       priority=priority)
         async with stream:
             async for output in stream:
                 yield output

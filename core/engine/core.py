@@ -144,7 +144,7 @@ class EngineCore:
         try:
             for r in command.requests:
                 self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
-                                        arrival_time=r.arrival_time, wait_for_grammar=False)
+                                        arrival_time=r.arrival_time, wait_for_grammar=False, priority=r.priority)
                 added.append(r.request_id)
         except Exception as exc:
             self.engine.abort_request(added)

@@ -84,7 +84,7 @@ class FrontEnd:
     def pending_contexts(self) -> list[Any]:
         return [add.context for add in self._pending.values()]
 
-    def add(self, prompts: list[PromptSpec], arrival_time: float, context: Any = None) -> None:
+    def add(self, prompts: list[PromptSpec], arrival_time: float, context: Any = None, priority: int = 0) -> None:
         """Send prompts (already tokenized) to the core, all or none; the answer comes back as an ``AddDone``."""
         config = self.client.ready.config
         for _, _, _, params in prompts:  # the core never sees stop strings: their bound is checked here
@@ -97,7 +97,7 @@ class FrontEnd:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
         core_ids = [f"{rid}#{next(self._counter)}" for rid in ids]
         add_id = next(self._add_ids)
-        message = Add(add_id, [core_request(core_id, token_ids, params, arrival_time)
+        message = Add(add_id, [core_request(core_id, token_ids, params, arrival_time, priority)
                                for core_id, (_, _, token_ids, params) in zip(core_ids, prompts)])
         try:
             self.client.send(message)
@@ -156,8 +156,9 @@ class FrontEnd:
         return AddDone(add.context, None, accepted)
 
 
-def core_request(request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float) -> AddRequest:
+def core_request(request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float,
+                 priority: int = 0) -> AddRequest:
     """What the core gets of a request: no stop strings and no text (both are the front end's)."""
     core_params = dataclasses.replace(params, stop=None, detokenize=False) if params.stop or params.detokenize \
         else params
-    return AddRequest(request_id, token_ids, core_params, arrival_time)
+    return AddRequest(request_id, token_ids, core_params, arrival_time, priority)

@@ -47,8 +47,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. A single string or token-id list is one prompt."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A single string or token-id list is one prompt. ``priority``, one
+        per prompt, orders them under ``scheduling_policy="priority"`` (lower first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -59,7 +60,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -84,12 +88,13 @@ class LLM:
             kwargs["continue_final_message"] = True
         return render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt, **kwargs)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             priorities: list[int]) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+            for prompt, params, priority in zip(prompts, params_list, priorities):
+                ids.append(engine.add_request(None, prompt, params, priority=priority))
         except BaseException:
             engine.abort_request(ids)
             raise

@@ -56,7 +56,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          cache_on_allocate=backend.writes_kv_before_attention)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
@@ -120,7 +120,7 @@ class LLMEngine:
         return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, wait_for_grammar: bool = True) -> str:
+                    arrival_time: float | None = None, wait_for_grammar: bool = True, priority: int = 0) -> str:
         """Queue a request; raises InvalidRequestError (and queues nothing) if it cannot be served.
 
         A structured-output constraint compiles on a thread of its own. ``wait_for_grammar`` waits for it here
@@ -135,12 +135,13 @@ class LLMEngine:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); try again later")
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
+        self._check_priority(priority)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         future = None
         if params.structured_outputs is not None and not wait_for_grammar:
             future = self.structured_outputs.compile_async(params.structured_outputs)
         request = self._new_sequence(request_id, token_ids, params, text, arrival_time, stop_ids, request_id, 0,
-                                     compile_now=future is None)
+                                     compile_now=future is None, priority=priority)
         self._groups[request_id] = _Group(params.n, [request])
         if future is not None and not future.done():
             deadline = time.monotonic() + self.structured_outputs.compile_timeout
@@ -190,9 +191,9 @@ class LLMEngine:
 
     def _new_sequence(self, seq_id: str, token_ids: list[int], params: SamplingParams, text: str | None,
                       arrival_time: float | None, stop_ids: frozenset[int], group_id: str, index: int,
-                      compile_now: bool = True) -> Request:
+                      compile_now: bool = True, priority: int = 0) -> Request:
         request = Request(seq_id, token_ids, params, prompt=text, arrival_time=arrival_time, stop_ids=stop_ids,
-                          group_id=group_id, index=index)
+                          group_id=group_id, index=index, priority=priority)
         if params.bad_words:
             request.bad_word_ids = self._bad_word_ids(tuple(params.bad_words))
         if params.structured_outputs is not None and compile_now:  # once per distinct constraint; a bad one raises
@@ -213,6 +214,13 @@ class LLMEngine:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}", param="priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority {priority} needs the server started with --scheduling-policy "
+                                      f"priority", param="priority")
 
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.config.max_model_len
@@ -418,7 +426,7 @@ class LLMEngine:
                 continue
             siblings = [self._new_sequence(f"{request.group_id}:{index}", request.prompt_token_ids, request.params,
                                            request.prompt, request.arrival_time, request.stop_ids, request.group_id,
-                                           index)
+                                           index, priority=request.priority)
                         for index in range(1, request.num_pending_forks + 1)]
             self._groups[request.group_id].members.extend(siblings)
             admitted, block_copies = self.scheduler.fork(request, siblings)

@@ -28,6 +28,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams  # stop strings left to the front end, detokenize off
     arrival_time: float
+    priority: int = 0
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):

@@ -24,7 +24,7 @@ class EngineClient(Protocol):
     tokenizer: object
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str: ...
+                    arrival_time: float | None = None, priority: int = 0) -> str: ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None: ...
 
@@ -60,11 +60,12 @@ class SyncEngineClient:
         self._ids = itertools.count()
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.front.add([(request_id, text, token_ids, params)], time.time() if arrival_time is None else arrival_time)
+        self.front.add([(request_id, text, token_ids, params)], time.time() if arrival_time is None else arrival_time,
+                       priority=priority)
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

@@ -1,7 +1,7 @@
 """Continuous batching, first come first served, under a per-step token budget.
 
 Each step: running requests first (decodes, then unfinished prompt chunks), then waiting ones in
-arrival order. With chunked prefill a prompt that does not fit the remaining budget is cut; without
+arrival order (or, with the priority policy, by priority, then arrival). With chunked prefill a prompt that does not fit the remaining budget is cut; without
 it a prompt runs whole. When the block pool runs dry, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed later (its output does not change).
 """
@@ -14,6 +14,11 @@ from collections import deque
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Priority order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_time
+
 
 PROMPT_LOGPROBS_CHUNK = 512  # most prompt tokens per step of a request that wants their logprobs
 
@@ -39,11 +44,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, policy: str = "fcfs") -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
+        self.by_priority = policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -53,7 +59,18 @@ class Scheduler:
     # -- bookkeeping ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        """Into the waiting queue: at its end (fcfs), or after the requests that go before it (priority)."""
+        if not self.by_priority:
+            self.waiting.append(request)
+            return
+        key = _rank(request)
+        at = len(self.waiting)
+        while at > 0 and _rank(self.waiting[at - 1]) > key:
+            at -= 1
+        self.waiting.insert(at, request)
 
     def fork(self, parent: Request, children: list[Request]) -> tuple[list[Request], list[tuple[int, int]]]:
         """Admit the other sequences of ``parent``'s group (n > 1) once its prompt is computed, sharing its KV
@@ -114,7 +131,10 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            self._queue(request)
+        else:
+            self.waiting.appendleft(request)
 
     # -- the step ------------------------------------------------------------------------------
     def _chunk(self, request: Request, num_new: int) -> int:
@@ -144,7 +164,7 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = self.running[-1]
+                victim = max(self.running, key=_rank) if self.by_priority else self.running[-1]
                 if victim.request_id in scheduled:  # already given a slot this step: take it back
                     budget += scheduled.pop(victim.request_id).num_new_tokens
                     self.kv.unpublish_step(victim)

@@ -396,6 +396,8 @@ BAD_REQUESTS = {
     "auto-tool-choice-off": (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
                              400, "tool_choice", "needs the server started with --enable-auto-tool-choice"),
     "suffix": (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
+    "priority-without-its-policy": (CHAT, {"messages": USER, "priority": 1}, 400, "priority",
+                                    "--scheduling-policy priority"),
     "stream-options-without-stream": (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
                                       "stream_options", "stream=true"),
     "top-logprobs-without-logprobs": (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),

@@ -101,7 +101,7 @@ def test_serve_model_flag_from_the_hub_cache_with_vllm_flags(cache, start_server
                           "0.01", "--trust-remote-code", "--generation-config", "auto", "--uvicorn-log-level",
                           "warning", "--root-path", "/proxy", "--allowed-origins", '["http://ui.example"]',
                           "--api-key", "k1,k2", "--gpu-memory-utilization", "0.9", "--enforce-eager",
-                          "--swap-space", "4", "--disable-log-stats",
+                          "--swap-space", "4", "--disable-log-stats", "--scheduling-policy", "priority",
                           env={**OFFLINE, "HF_HUB_CACHE": str(cache), "PAGEDLLM_LOGGING_LEVEL": "INFO"})
     log = server.log()
     assert "--gpu-memory-utilization has no effect" in log and "--enforce-eager has no effect" in log
@@ -109,7 +109,8 @@ def test_serve_model_flag_from_the_hub_cache_with_vllm_flags(cache, start_server
         with openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as client:
             models = client.models.list().data
             assert [m.id for m in models] == [REPO] and models[0].model_extra["max_model_len"] == 512
-            out = client.completions.create(model=REPO, prompt="Paris is", max_tokens=3, logprobs=5)
+            out = client.completions.create(model=REPO, prompt="Paris is", max_tokens=3, logprobs=5,
+                                            extra_body={"priority": -5})
             assert out.usage.prompt_tokens_details.cached_tokens == 0
             with pytest.raises(openai.BadRequestError):  # --max-logprobs 5, from the YAML file
                 client.completions.create(model=REPO, prompt="x", logprobs=6)

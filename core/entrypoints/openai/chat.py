@@ -36,7 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                    tools.template_fields(body) if tools is not None else body)
     ctx.prompts.max_tokens(prompt, max_tokens, body.max_tokens_param)
     response_id, stream = await ctx.start("chatcmpl", [prompt], params, constraint_field,
-                                          fields={"logprobs": "top_logprobs"})
+                                          fields={"logprobs": "top_logprobs"}, priority=body.priority)
     num_prompt_tokens = len(prompt["prompt_token_ids"])
     header = {"id": response_id, "created": created(), "model": model,
               "system_fingerprint": ctx.system_fingerprint}

@@ -35,7 +35,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         for prompt in prompts:
             ctx.prompts.max_tokens(prompt, body.max_tokens, "max_tokens")
     fields = {"prompt_logprobs": "logprobs"} if body.echo and body.logprobs is not None else None
-    response_id, stream = await ctx.start("cmpl", prompts, params, constraint_field, fields=fields)
+    response_id, stream = await ctx.start("cmpl", prompts, params, constraint_field, fields=fields,
+                                          priority=body.priority)
     header = {"id": response_id, "object": "text_completion", "created": created(), "model": model,
               "system_fingerprint": ctx.system_fingerprint}
     if body.stream:

@@ -76,6 +76,7 @@ class _GenerationRequest(StructuredOutputFields):
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
+    priority: int = Field(0, ge=SEED_MIN, le=SEED_MAX)  # with --scheduling-policy priority: lower runs first
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 

@@ -49,15 +49,16 @@ class ServingContext:
         return requested
 
     async def start(self, kind: str, prompts: list[dict], params: SamplingParams,
-                    constraint_field: str | None = None,
-                    fields: dict[str, str] | None = None) -> tuple[str, OutputStream]:
+                    constraint_field: str | None = None, fields: dict[str, str] | None = None,
+                    priority: int = 0) -> tuple[str, OutputStream]:
         """Queue one engine request per prompt (all or none); ``InvalidRequestError`` if the engine refuses one
         (a constraint that does not compile is blamed on ``constraint_field``, the request field it came from;
         ``fields`` renames other engine parameters to the request's own fields)."""
         response_id = f"{kind}-{uuid.uuid4().hex}"
         self._log(response_id, prompts, params)
         try:
-            stream = await self.engine.add([(f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)])
+            stream = await self.engine.add([(f"{response_id}-{i}", p, params) for i, p in enumerate(prompts)],
+                                           priority=priority)
         except InvalidRequestError as exc:
             if constraint_field is not None and exc.param == STRUCTURED_OUTPUTS_PARAM:
                 raise OpenAIError(400, f"{constraint_field}: {exc}", param=constraint_field) from None
