@@ -1,9 +1,10 @@
 """Continuous batching, first come first served, under a per-step token budget.
 
 Each step: running requests first (decodes, then unfinished prompt chunks), then waiting ones in
-arrival order (or, with the priority policy, by priority, then arrival). With chunked prefill a prompt that does not fit the remaining budget is cut; without
-it a prompt runs whole. When the block pool runs dry, the most recently admitted running request is
-preempted: its blocks are freed and it is recomputed later (its output does not change).
+arrival order (or, with the priority policy, by priority, then arrival). With chunked prefill a prompt that does
+not fit the remaining budget is cut; without it a prompt runs whole. When the block pool runs dry, the most
+recently admitted running request (with the priority policy: the lowest in priority) is preempted: its blocks are
+freed and it is recomputed later (its output does not change).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import deque
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
+
 
 def _rank(request: Request) -> tuple[int, float]:
     """Priority order: lower priority values first, then earlier arrivals."""
