@@ -91,7 +91,8 @@ SETTINGS: tuple[Setting, ...] = (
             shown_default="2048 with chunked prefill, else max(max_model_len, 2048)"),
     Setting("enable_chunked_prefill", bool, True,
             "cut long prompts into chunks that share steps with decodes (on by default, as in vLLM)"),
-    Setting("enable_prefix_caching", bool, False, "reuse KV blocks of identical prompt prefixes across requests"),
+    Setting("enable_prefix_caching", bool, True, "reuse KV blocks of identical prompt prefixes across requests (on "
+            "by default, as in vLLM; --no-enable-prefix-caching turns it off)"),
     Setting("block_size", int, None, "tokens per KV block", shown_default="the backend's (cpu: 16, openvino: 32)"),
     Setting("kv_cache_space", float, 4.0, "GiB of memory for the KV cache"),
     Setting("seed", int, 0, "seed for requests that give none"),

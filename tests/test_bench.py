@@ -115,8 +115,8 @@ def test_throughput_random_counts_tokens_and_saves_its_workload(tiny_llama, tmp_
     # 4 sequences of 12 + 8 tokens = 2 blocks of 16 each at the end.
     assert r["peak_kv_blocks"] == 8 and r["kv_blocks_total"] >= 8
     assert 0 <= r["kv_waste_at_peak"] < 1
-    assert r["prefix_cache_hit_rate"] is None and r["num_preemptions"] == 0
-    assert r["engine"]["dtype"] == "float32" and r["engine"]["enable_prefix_caching"] is False
+    assert r["prefix_cache_hit_rate"] == 0 and r["num_preemptions"] == 0  # on by default; nothing shared here
+    assert r["engine"]["dtype"] == "float32" and r["engine"]["enable_prefix_caching"] is True
     assert Workload.load(saved).num_prompt_tokens == 48
 
     assert r["num_structured_requests"] == 0

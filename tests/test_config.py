@@ -12,16 +12,16 @@ CPU_ENV = {"kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SP
 def test_defaults():
     c = resolve(EngineArgs(), CPU_ENV, environ={})
     assert (c.backend, c.dtype, c.max_num_seqs, c.kv_cache_space, c.seed) == ("cpu", "auto", 256, 4.0, 0)
-    assert c.enable_chunked_prefill and not c.enable_prefix_caching
+    assert c.enable_chunked_prefill and c.enable_prefix_caching  # both on by default, as in vLLM
     assert c.sources["kv_cache_space"] == "default"
 
 
 def test_flag_beats_env_beats_default():
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PAGEDLLM_MAX_NUM_SEQS": "8", "PAGEDLLM_ENABLE_PREFIX_CACHING": "on"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PAGEDLLM_MAX_NUM_SEQS": "8", "PAGEDLLM_ENABLE_PREFIX_CACHING": "off"}
     c = resolve(EngineArgs(max_num_seqs=3), CPU_ENV, environ=env)
     assert c.kv_cache_space == 2.0 and c.sources["kv_cache_space"] == "VLLM_CPU_KVCACHE_SPACE"
     assert c.max_num_seqs == 3 and c.sources["max_num_seqs"] == "flag"
-    assert c.enable_prefix_caching is True
+    assert c.enable_prefix_caching is False
     c = resolve(EngineArgs(kv_cache_space=1.5), CPU_ENV, environ=env)
     assert c.kv_cache_space == 1.5
 
