@@ -1,9 +1,10 @@
 """Soak: many mixed requests through a real ``pagedllm serve``, then checks that nothing leaked.
 
-The mix (seeded): streamed and whole completions and chats, n > 1, stop strings, seeded sampling (each seeded
-request is sent twice and must come back the same), streams dropped at a random point, streams dropped before their
-first token (most of them still queued), bad sampling parameters and prompts longer than the model (both must get a
-400 in OpenAI's error format). No request may get a 5xx. In bf16 the logits depend slightly on the batch's shape, so
+The mix (seeded): streamed and whole completions and chats, n > 1, stop strings, scoring (prompt logprobs, as
+lm-eval asks for them), seeded sampling (each seeded request is sent twice and must come back the same), streams
+dropped at a random point, streams dropped before their first token (most of them still queued), bad sampling
+parameters and prompts longer than the model (both must get a 400 in OpenAI's error format). No request may get a
+5xx. In bf16 the logits depend slightly on the batch's shape, so
 a seeded pair may differ: those are counted, and fail the soak only when the server runs ``--dtype float32``.
 
 Afterwards: the KV cache is empty, the engine's and the front end's request tables are empty (``/metrics``), every
@@ -41,7 +42,7 @@ from serving_case import free_port, log_tail, wait_ready  # noqa: E402
 
 # What each request of the mix is, with its weight.
 KINDS = {"stream": 20, "complete": 12, "chat_stream": 12, "chat": 6, "n": 8, "stop": 8, "seeded": 8,
-         "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
+         "score": 6, "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
 BAD_PARAMS = [{"temperature": -1}, {"top_p": 1.5}, {"max_tokens": -5}, {"n": 0}, {"presence_penalty": 5},
               {"top_k": -5}, {"seed": 2 ** 80}, {"logprobs": -1}, {"stop": 5}]
 WORDS = ("the of and to in is was for on that with as by at from his her an which have were are this be one "
@@ -190,6 +191,17 @@ class Soak:
         first, second = [await self.http.post("/v1/completions", json=body) for _ in range(2)]
         outcome = _answered(first, choices=1)
         outcome.diverged = outcome.ok and first.json()["choices"][0]["text"] != second.json()["choices"][0]["text"]
+        return outcome
+
+    async def _score(self, spec: dict) -> Outcome:
+        """What lm-eval's loglikelihood tasks send: the prompt scored (echo, logprobs), nothing generated."""
+        body = self._completion(spec, max_tokens=0, echo=True, logprobs=1)
+        response = await self.http.post("/v1/completions", json=body)
+        outcome = _answered(response, choices=1)
+        if outcome.ok:
+            logprobs = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+            if not logprobs or logprobs[0] is not None or None in logprobs[1:]:
+                return Outcome("", False, 200, f"prompt logprobs {logprobs[:3]}...")
         return outcome
 
     async def _drop_mid_stream(self, spec: dict) -> Outcome:

@@ -201,6 +201,8 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or not all(isinstance(w, str) and w for w in self.bad_words)):
             raise bad("bad_words", "must be a list of non-empty strings")
+        if self.bad_words and any(len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+            raise bad("bad_words", f"must be at most {MAX_STOP_STRING_CHARS} characters long each")
         check_text(self.bad_words, "bad_words")
         check_text(self.stop, "stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):

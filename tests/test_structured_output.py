@@ -21,7 +21,9 @@ CITIES = {"type": "object", "properties": {"cities": {"type": "array", "items": 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_space=BLOCKS * SMOLLM2_BLOCK_BYTES / 2**30)
+    # prefix caching off: the preemption test needs its prompts' shared system prompt to cost blocks of each
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_space=BLOCKS * SMOLLM2_BLOCK_BYTES / 2**30,
+              enable_prefix_caching=False)
     assert llm.engine.num_blocks == BLOCKS
     yield llm
     llm.shutdown()

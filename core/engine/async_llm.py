@@ -322,8 +322,9 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
 
 class AsyncLLM:
     """vLLM's asyncio API over ``AsyncLLMEngine``: ``generate(prompt, sampling_params, request_id)`` is an async
-    iterator of the request's outputs (cumulative text and token ids, as vLLM's default output kind); leaving it
-    early aborts the request. The engine core runs in a process of its own, as in ``pagedllm serve``."""
+    iterator of the request's outputs (cumulative text and token ids, as vLLM's default output kind, each output a
+    snapshot); leaving it early aborts the request. The engine core runs in a process of its own, as in
+    ``pagedllm serve``."""
 
     def __init__(self, args: EngineArgs | None = None, engine_process: bool = True) -> None:
         self.engine = AsyncLLMEngine(args, engine_process=engine_process)
@@ -339,6 +340,10 @@ class AsyncLLM:
                                        priority=priority)
         async with stream:
             async for output in stream:
+                for completion in output.outputs:  # each output its own: the engine's lists grow on
+                    completion.token_ids = list(completion.token_ids)
+                    if completion.logprobs is not None:
+                        completion.logprobs = list(completion.logprobs)
                 yield output
 
     async def abort(self, request_id: str | Sequence[str]) -> None:

@@ -250,6 +250,7 @@ class LLMEngine:
         for param, count, limit, flag in (
                 ("stop", len(params.stop), config.max_stop_strings, "--max-stop-strings"),
                 ("stop_token_ids", len(params.stop_token_ids), config.max_stop_token_ids, "--max-stop-token-ids"),
+                ("bad_words", len(params.bad_words or ()), config.max_stop_strings, "--max-stop-strings"),
                 ("logit_bias", len(params.logit_bias or ()), config.max_logit_bias, "--max-logit-bias")):
             if count > limit:
                 raise InvalidRequestError(f"{param} has {count} entries, more than the {limit} allowed ({flag})",

@@ -83,6 +83,14 @@ def test_lone_surrogates_are_refused_naming_the_field(server, path, body, param)
     (COMPLETIONS, {**SMALL, "stop_token_ids": list(range(1025))}, "stop_token_ids"),
     (COMPLETIONS, {**SMALL, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     (COMPLETIONS, {**SMALL, "prompt": ["a"] * 9}, "prompt"),
+    (COMPLETIONS, {**SMALL, "prompt_logprobs": 21}, "prompt_logprobs"),
+    (COMPLETIONS, {**SMALL, "echo": True, "logprobs": 21}, "logprobs"),
+    (COMPLETIONS, {**SMALL, "bad_words": [f"w{i}" for i in range(65)]}, "bad_words"),
+    (COMPLETIONS, {**SMALL, "bad_words": ["x" * 5000]}, "bad_words"),
+    (COMPLETIONS, {**SMALL, "allowed_token_ids": [10**9]}, "allowed_token_ids"),
+    (COMPLETIONS, {**SMALL, "allowed_token_ids": []}, "allowed_token_ids"),
+    (COMPLETIONS, {**SMALL, "priority": 2**64}, "priority"),
+    (COMPLETIONS, {**SMALL, "max_tokens": 0}, "max_tokens"),
 ])
 def test_caps_as_vllm_has_them_and_bounds_on_lists(server, path, body, param):
     assert_refused(post(server, path, body), param)

@@ -21,7 +21,7 @@ def test_soak_leaves_nothing_behind(tiny_llama_dir, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(summary_path.read_text())
     assert summary["requests"] == 800 and summary["failed_checks"] == [] and summary["unexpected"] == {}
-    assert set(summary["by_kind"]) == {"stream", "complete", "chat_stream", "chat", "n", "stop", "seeded",
+    assert set(summary["by_kind"]) == {"stream", "complete", "chat_stream", "chat", "n", "stop", "seeded", "score",
                                        "drop_mid_stream", "drop_before_first_token", "bad_params", "oversize"}
     assert set(summary["statuses"]) == {"200", "400"}
     assert all(value == 0 for value in summary["after"].values()) and len(summary["after"]) == 5

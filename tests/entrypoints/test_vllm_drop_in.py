@@ -233,11 +233,10 @@ def test_async_llm_generate_and_abort(tiny_llama_dir):
     local.shutdown()
 
     async def run(engine) -> None:
-        lengths = []
-        async for output in engine.generate("Paris is", params, request_id="a"):
-            lengths.append(len(output.outputs[0].token_ids))
-        assert output.finished and output.outputs[0].text == expected
-        assert lengths == list(range(1, 9))  # cumulative, a token per step
+        outputs = [output async for output in engine.generate("Paris is", params, request_id="a")]
+        assert outputs[-1].finished and outputs[-1].outputs[0].text == expected
+        # cumulative, a token more each step, each output a snapshot however late the caller reads it
+        assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, 9))
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         async for output in engine.generate("Paris is", long, request_id="b"):
             if len(output.outputs[0].token_ids) == 2:
