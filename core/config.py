@@ -9,6 +9,7 @@ so it imports nothing but ``pagedllm.errors``; the flags of the installed backen
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Mapping, Sequence
 
@@ -103,6 +104,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("scheduling_policy", str, "fcfs", "which waiting request runs first: fcfs (arrival order) or priority "
             "(a request's priority, lower first, then arrival; the most recent of the lowest priority is preempted "
             "first), as vLLM's", ("fcfs", "priority")),
+    Setting("speculative_config", str, None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (greedy requests; "
+            "off in steps with more than disable_by_batch_size, default 4, requests running)", shown_default="off"),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
@@ -141,6 +145,7 @@ class EngineArgs:
     seed: int | None = None
     kv_cache_dtype: str | None = None
     scheduling_policy: str | None = None
+    speculative_config: str | None = None  # JSON text (a dict is taken and written as JSON)
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
     max_logprobs: int | None = None
@@ -155,6 +160,8 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         """Core settings by name; any other keyword is a backend's setting (``quantize_weights="int8"``)."""
         options = dict(kwargs.pop("backend_options", None) or {})
+        if isinstance(kwargs.get("speculative_config"), dict):  # as vLLM's LLM(speculative_config={...}) takes it
+            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         names = {f.name for f in dataclasses.fields(cls)}
         options.update({k: v for k, v in kwargs.items() if k not in names})
         return cls(**{k: v for k, v in kwargs.items() if k in names}, backend_options=options)
@@ -186,6 +193,7 @@ class EngineConfig:
     seed: int
     kv_cache_dtype: str
     scheduling_policy: str = "fcfs"
+    speculative_config: str | None = None
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
     max_logprobs: int = 20

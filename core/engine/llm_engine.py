@@ -35,8 +35,9 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling.structured_output import StructuredOutputManager
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched.batch_builder import BatchBuilder, PromptLogprobRows
+from pagedllm.sched.batch_builder import BatchBuilder, PromptLogprobRows, ProposalRows
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
+from pagedllm.sched.speculation import SpeculativeConfig
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm.engine.llm_engine")
@@ -55,8 +56,10 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          cache_on_allocate=backend.writes_kv_before_attention)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy, self.speculative,
+                                   config.max_model_len)
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
@@ -83,6 +86,7 @@ class LLMEngine:
                          setting_owners=setting_owners())
         config.backend = backend_name
         config.serving = serving
+        SpeculativeConfig.parse(config.speculative_config)  # a bad one is refused before the model loads
         source = resolve_model(config.model, config.revision, config.download_dir, config.tokenizer,
                                config.trust_remote_code)
         tokenizer = load_tokenizer(source)
@@ -325,9 +329,11 @@ class LLMEngine:
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
         self._counters.on_step(sched.num_batched_tokens, self.kv_manager, self.scheduler.running)
+        verified = self._verify_proposals(logits, rows.proposals) if rows.proposals else []
         if rows.prompt:
             for part in rows.prompt:
                 part.request.prompt_logprobs += self._prompt_logprobs(logits, part)
+        if rows.prompt or rows.proposals:
             logits = logits[rows.sample_rows]
         requests = [order[i].request for i in rows.sampling]
         if any(r.num_pending_forks for r in requests):
@@ -339,8 +345,33 @@ class LLMEngine:
         for request, token_id, token_logprobs in zip(requests, token_ids, logprobs):
             completion = self._append_token(request, token_id, token_logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
+        for request, new_tokens, num_accepted in verified:
+            for token_id in new_tokens:
+                progressed.setdefault(request.group_id, []).append(self._append_token(request, token_id, None, now))
+                if request.status.finished:
+                    break
+            self.scheduler.accept_proposals(request, num_accepted)
         outputs = [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
         return outputs + self._fail_requests(failed, now)
+
+    def _verify_proposals(self, logits: torch.Tensor, parts: list[ProposalRows]) -> list[tuple[Request, list[int],
+                                                                                                     int]]:
+        """Per request with proposals: (its new tokens, how many proposals were right). Its requests are greedy
+        (``can_speculate``): each row's argmax is the token the sampler would pick, so a proposal is right while it
+        equals the argmax before it, and the first wrong one is replaced by that argmax, as greedy decoding would
+        have gone on without proposals."""
+        verified = []
+        for part in parts:
+            proposals = part.item.spec_tokens
+            rows = logits[part.first_row:part.first_row + len(proposals) + 1].to(torch.float32)
+            best = rows.numpy().argmax(axis=-1).tolist()
+            accepted = 0
+            while accepted < len(proposals) and proposals[accepted] == best[accepted]:
+                accepted += 1
+            verified.append((part.item.request, proposals[:accepted] + [best[accepted]], accepted))
+            self._counters.proposed_tokens += len(proposals)
+            self._counters.accepted_tokens += accepted
+        return verified
 
     @torch.inference_mode()
     def _prompt_logprobs(self, logits: torch.Tensor, part: PromptLogprobRows) -> list[PositionLogprobs]:
@@ -553,6 +584,8 @@ class _Counters:
         self.peak_blocks_used = 0
         self.peak_waste = 0.0
         self.finished_requests = 0
+        self.proposed_tokens = 0  # speculative decoding: tokens proposed, and of them accepted
+        self.accepted_tokens = 0
 
     def on_step(self, num_batched_tokens: int, kv_manager: KVCacheManager, running: list[Request]) -> None:
         self.steps += 1

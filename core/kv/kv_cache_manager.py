@@ -55,8 +55,8 @@ class KVCacheManager:
             self.prefix_cache.record(request.num_tokens, len(computed_blocks) * self.block_size)
             request.num_cached_blocks = len(computed_blocks)
         request.num_published_blocks = request.num_cached_blocks
-        if self.cache_on_allocate:
-            self._publish(request, num_computed + num_new_tokens)
+        if self.cache_on_allocate:  # the request's own tokens only: proposed ones may be rejected
+            self._publish(request, min(num_computed + num_new_tokens, request.num_tokens))
         return appended
 
     def cache_full_blocks(self, request: Request) -> None:

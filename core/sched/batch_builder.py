@@ -28,6 +28,15 @@ class PromptLogprobRows:
 
 
 @dataclasses.dataclass
+class ProposalRows:
+    """Logits rows ``first_row:first_row + len(item.spec_tokens) + 1``: the request's last token's and each proposed
+    token's, to verify the proposals with."""
+
+    item: ScheduledRequest
+    first_row: int
+
+
+@dataclasses.dataclass
 class LogitsRows:
     """Where each wanted logits row came from: ``sample_rows[j]`` is the row of ``sampling[j]``'s last token;
     ``prompt`` lists the rows of prompt positions whose logprobs were asked for (none in most steps)."""
@@ -35,6 +44,7 @@ class LogitsRows:
     sampling: list[int]  # positions in batch order of the sequences that sample a token this step
     sample_rows: list[int]
     prompt: list[PromptLogprobRows]
+    proposals: list[ProposalRows] = dataclasses.field(default_factory=list)
 
 
 class BatchBuilder:
@@ -92,6 +102,9 @@ class BatchBuilder:
             num_computed[i] = start
             if item.num_new_tokens == 1:
                 input_ids.append(request.all_token_ids[start])
+            elif item.spec_tokens:
+                input_ids.append(request.all_token_ids[start])
+                input_ids.extend(item.spec_tokens)
             else:
                 input_ids.extend(request.all_token_ids[start:end])
             if request.needs_prompt_logprobs:  # the rows whose next token is a prompt token not yet scored
@@ -101,7 +114,10 @@ class BatchBuilder:
                     rows_for.prompt.append(PromptLogprobRows(request, len(logits_indices), last - first, first + 1))
                     logits_indices.extend(range(num_tokens + first - start, num_tokens + last - start))
             num_tokens += item.num_new_tokens
-            if end == request.num_tokens:
+            if item.spec_tokens:  # verified from a row per position, sampled by the engine, not the sampler
+                rows_for.proposals.append(ProposalRows(item, len(logits_indices)))
+                logits_indices.extend(range(num_tokens - item.num_new_tokens, num_tokens))
+            elif end == request.num_tokens:
                 sampling.append(i)
                 rows_for.sample_rows.append(len(logits_indices))
                 logits_indices.append(num_tokens - 1)

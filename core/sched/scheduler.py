@@ -15,6 +15,7 @@ from collections import deque
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.speculation import SpeculativeConfig, can_speculate
 
 
 def _rank(request: Request) -> tuple[int, float]:
@@ -28,8 +29,9 @@ PROMPT_LOGPROBS_CHUNK = 512  # most prompt tokens per step of a request that wan
 @dataclasses.dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # with proposals: the last token and the proposed ones
     new_block_ids: list[int]  # appended to the request's block table this step
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed tokens to verify this step
 
 
 @dataclasses.dataclass
@@ -46,12 +48,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, policy: str = "fcfs") -> None:
+                 enable_chunked_prefill: bool, policy: str = "fcfs", speculative: SpeculativeConfig | None = None,
+                 max_model_len: int | None = None) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
         self.by_priority = policy == "priority"
+        self.speculative = speculative
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -153,10 +158,16 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        speculate = self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
         for request in decoding + prefilling:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens)
+            proposals = self._proposals(request) if speculate and num_new == 1 else []
+            if proposals and 1 + len(proposals) <= budget:
+                num_new += len(proposals)
+            else:
+                proposals = []
             if num_new > budget and not self.chunked_prefill:
                 continue
             num_new = min(num_new, budget)
@@ -176,7 +187,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue
-            scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks, proposals)
             budget -= num_new
 
         # seats: running sequences, and the siblings that running n > 1 requests will fork once their prompt is in
@@ -214,8 +225,28 @@ class Scheduler:
         )
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: its tokens are now in the cache."""
+        """The step ran: its tokens are now in the cache (of proposed ones, only those the engine accepts count:
+        ``accept_proposals``)."""
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens - len(item.spec_tokens)
             self.kv.cache_full_blocks(request)
+
+    def accept_proposals(self, request: Request, num_accepted: int) -> None:
+        """``num_accepted`` proposed tokens were right (and appended): their keys and values, written by the step,
+        are the request's; those of the rejected ones are overwritten later (they never reach the prefix cache)."""
+        request.num_computed_tokens += num_accepted
+        if not request.status.finished:
+            self.kv.cache_full_blocks(request)
+
+    def _proposals(self, request: Request) -> list[int]:
+        """Tokens to verify after the request's next one, within its max_tokens and max_model_len."""
+        if not can_speculate(request):
+            return []
+        params = request.params
+        limit = self.speculative.num_speculative_tokens
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        return self.speculative.propose(request.all_token_ids, limit)

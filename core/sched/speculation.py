@@ -1,0 +1,84 @@
+"""Speculative decoding's proposals: vLLM's ``--speculative-config`` and the n-gram (prompt lookup) proposer.
+
+A request that decodes alone (or in a small batch) is bound by reading the weights once per token; verifying k
+proposed tokens in the same forward pass reads them once for up to k + 1 tokens. The n-gram proposer looks for the
+sequence's last n tokens earlier in the sequence (its prompt, mostly) and proposes what followed them there: free,
+and right whenever the output repeats its input (code edits, summaries, extraction, RAG answers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from pagedllm.errors import ConfigError
+
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+         "model"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: int  # no proposals in a step with more running requests than this
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> "SpeculativeConfig | None":
+        """vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}``. A draft model (``"model"``) is refused: not built yet."""
+        if text is None or text == "":
+            return None
+        try:
+            spec = json.loads(text) if isinstance(text, str) else dict(text)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--speculative-config is not a JSON object: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ConfigError("--speculative-config is a JSON object, e.g. "
+                              '{"method": "ngram", "num_speculative_tokens": 4}')
+        unknown = sorted(set(spec) - _KEYS)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}")
+        if spec.get("model") is not None or spec.get("method", "ngram") not in ("ngram", "[ngram]"):
+            raise ConfigError("--speculative-config: only the n-gram (prompt lookup) method is supported; draft "
+                              "models are not yet")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        high = spec.get("prompt_lookup_max", 4)
+        low = spec.get("prompt_lookup_min", min(2, high) if isinstance(high, int) else 2)
+        batch = spec.get("disable_by_batch_size", 4)
+        for name, value in (("prompt_lookup_max", high), ("prompt_lookup_min", low),
+                            ("disable_by_batch_size", batch)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if low > high:
+            raise ConfigError(f"--speculative-config: prompt_lookup_min ({low}) is more than prompt_lookup_max "
+                              f"({high})")
+        return cls(k, high, low, batch)
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        """Up to ``min(limit, num_speculative_tokens)`` tokens: what followed the latest earlier occurrence of the
+        sequence's last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs."""
+        k = min(limit, self.num_speculative_tokens)
+        if k <= 0:
+            return []
+        length = len(token_ids)
+        for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
+            tail = token_ids[length - n:]
+            first = tail[0]
+            # the latest earlier match: its continuation is the likeliest to be the sequence's own
+            for start in range(length - n - 1, -1, -1):
+                if token_ids[start] == first and token_ids[start:start + n] == tail:
+                    return token_ids[start + n:start + n + k]
+        return []
+
+
+def can_speculate(request) -> bool:
+    """Whether a request's next tokens are the logits' argmax and nothing else: greedy, and none of what changes
+    the logits or needs each token's own distribution (penalties, bias, grammars, logprobs, min_tokens)."""
+    params = request.params
+    return (params.greedy and not params.needs_penalties and not params.logit_bias and not params.allowed_token_ids
+            and not request.bad_word_ids and request.grammar is None and params.logprobs is None
+            and request.num_output_tokens >= params.min_tokens)

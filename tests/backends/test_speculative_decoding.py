@@ -1,0 +1,128 @@
+"""Speculative decoding (n-gram prompt lookup): greedy output equals transformers' token for token with proposals
+verified in the paged batch, alongside chunked prefill, prefix caching, preemption, n > 1 and stop strings, on both
+backends; most proposals are accepted where the output repeats its prompt (SmolLM2 asked to copy a text)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from openvino_support import requires_openvino
+from tiny_models import hf_greedy, kv_bytes_per_block, random_prompts
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ConfigError
+from pagedllm.sched.speculation import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NEW_TOKENS = 40
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def repeating_prompts() -> list[list[int]]:
+    """Prompts that repeat themselves, so the proposer finds n-grams."""
+    return [p + p[:24] for p in random_prompts([30, 45, 17, 60], seed=5)]
+
+
+class OracleProposer:
+    """Proposes the true greedy continuation, with one token in three proposals made wrong at a random place: the
+    tiny random models never repeat, so this is how every count of accepted tokens (0 to k) gets verified."""
+
+    def __init__(self, config: SpeculativeConfig, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size
+        self.sequences = [(p, o) for p, o in zip(prompts, outputs)]
+        self.rng = random.Random(0)
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        for prompt, output in self.sequences:
+            if token_ids[:len(prompt)] == prompt:
+                done = len(token_ids) - len(prompt)
+                proposal = output[done:done + min(limit, self.num_speculative_tokens)]
+                if proposal and self.rng.random() < 1 / 3:
+                    proposal[self.rng.randrange(len(proposal))] = 3  # a token no continuation here has
+                return proposal
+        return []
+
+
+@pytest.mark.parametrize("backend, arch, block_size, blocks", [
+    pytest.param("cpu", "llama", 16, 20, marks=pytest.mark.cpu_isa),
+    pytest.param("cpu", "qwen2", 16, 20, marks=pytest.mark.cpu_isa),
+    pytest.param("openvino", "llama", 32, 10, marks=requires_openvino),
+])
+def test_greedy_output_equals_transformers_with_caching_chunking_and_preemption(backend, arch, block_size, blocks,
+                                                                              tiny_model_dirs, monkeypatch,
+                                                                              request):
+    if backend == "openvino":
+        monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(request.getfixturevalue("openvino_export_dir")))
+    prompts = repeating_prompts()
+    expected = hf_greedy(tiny_model_dirs[arch], prompts, NEW_TOKENS)
+    space = blocks * kv_bytes_per_block(arch, block_size=block_size) / 2**30
+    llm = LLM(str(tiny_model_dirs[arch]), backend=backend, dtype="float32", max_model_len=256, kv_cache_space=space,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8, speculative_config=NGRAM)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected  # n-gram proposals
+    counters = llm.engine._counters
+    proposed, accepted = counters.proposed_tokens, counters.accepted_tokens
+    llm.engine.scheduler.speculative = OracleProposer(llm.engine.speculative, prompts, expected)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    proposed, accepted = counters.proposed_tokens - proposed, counters.accepted_tokens - accepted
+    assert proposed > accepted > 0.5 * proposed
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv_manager.allocator.num_used == 0
+    # again: the prefix cache holds what the first pass computed, never a rejected proposal
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    assert llm.engine.kv_manager.prefix_cache.hits > 0
+    llm.shutdown()
+
+
+def test_n_stop_strings_and_sampled_requests_beside_speculation(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, speculative_config=NGRAM)
+    plain = LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01)
+    prompt = {"prompt_token_ids": repeating_prompts()[0]}
+    text = plain.generate(prompt, GREEDY, use_tqdm=False)[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    for params in (SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop]),
+                   SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)):  # never speculates
+        ours = llm.generate(prompt, params, use_tqdm=False)[0]
+        theirs = plain.generate(prompt, params, use_tqdm=False)[0]
+        assert [(c.token_ids, c.text, c.finish_reason) for c in ours.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in theirs.outputs]
+    llm.shutdown()
+    plain.shutdown()
+
+
+def test_smollm2_copying_a_text_accepts_most_proposals():
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_space=0.05, speculative_config=NGRAM)
+    text = ("The paged KV cache stores keys and values in fixed-size blocks, so memory is allocated as sequences "
+            "grow and almost none is wasted.")
+    prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat this sentence exactly: {text}"}])
+    params = SamplingParams(temperature=0, max_tokens=48)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    plain = LLM(dtype="float32", max_model_len=512, kv_cache_space=0.05)
+    assert out.token_ids == plain.generate(prompt, params, use_tqdm=False)[0].token_ids
+    counters = llm.engine._counters
+    assert counters.accepted_tokens >= 0.5 * counters.proposed_tokens > 0
+    assert counters.steps < len(out.token_ids)  # fewer forward passes than tokens
+    llm.shutdown()
+    plain.shutdown()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ('{"method": "ngram"}', "num_speculative_tokens must be an integer"),
+    ('{"model": "some/draft", "num_speculative_tokens": 3}', "draft models are not yet"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+     "prompt_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "unknown key"),
+    ("not json", "not a JSON object"),
+])
+def test_bad_speculative_configs_are_refused(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.parse(spec)
+
+
+def test_the_proposer_continues_the_latest_earlier_match():
+    config = SpeculativeConfig.parse(NGRAM)
+    assert config.propose([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 4) == [8, 5, 1, 2]
+    assert config.propose([1, 2, 3, 4], 4) == []
+    assert config.propose([7, 7, 7], 2) == [7]  # what follows the match may run into the tail
