@@ -1,0 +1,93 @@
+"""Batch-1 decode with and without n-gram speculative decoding, in one process, as ratios.
+
+- SmolLM2 (the default model) asked to copy and lightly edit a text: what n-gram proposals are for.
+- ``--model-shape llama-1b``: random weights never repeat, so two bounds instead: every proposal wrong (the cost of
+  verifying k extra tokens for nothing) and every proposal right (the model's own greedy continuation proposed:
+  what a step of k + 1 rows gains over k + 1 steps of one row when decode is bound by memory bandwidth).
+
+Run on a quiet machine: ``python benchmarks/speculative_decoding.py [--model-shape llama-1b] [--k 4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import model_shapes
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.source import cache_dir, default_model_path, gguf_to_hf
+
+TEXT = ("The paged KV cache stores keys and values in fixed-size blocks, so memory is allocated as sequences grow "
+        "and almost none is wasted. One CPU box then serves many requests at once with continuous batching, and a "
+        "prefix cache lets requests that share a system prompt reuse its blocks instead of computing them again.")
+
+
+class _Oracle:
+    """Proposes ``continuation`` (the right tokens) or a token no continuation has (all wrong)."""
+
+    def __init__(self, k: int, prompt: list[int], continuation: list[int], right: bool) -> None:
+        self.num_speculative_tokens, self.disable_by_batch_size = k, 4
+        self.prompt, self.continuation, self.right = prompt, continuation, right
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        done = len(token_ids) - len(self.prompt)
+        proposal = self.continuation[done:done + min(limit, self.num_speculative_tokens)]
+        return proposal if self.right else [3] * len(proposal)
+
+
+def timed(llm: LLM, prompt, params: SamplingParams) -> tuple[float, list[int], int]:
+    llm.generate(prompt, params, use_tqdm=False)  # warm-up
+    steps = llm.engine._counters.steps
+    start = time.perf_counter()
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - start
+    return len(out.token_ids) / seconds, out.token_ids, llm.engine._counters.steps - steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-shape", choices=sorted(model_shapes.SHAPES), default=None)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.model_shape is not None)
+    settings = dict(dtype=args.dtype, max_model_len=1024, kv_cache_space=0.5)
+    results = {}
+    if args.model_shape is None:
+        plain = LLM(**settings)
+        prompt = plain.apply_chat_template([{"role": "user", "content": "Repeat this text, writing 'CPU' in capitals "
+                                             f"as 'processor':\n\n{TEXT}"}])
+        results["plain"], reference, results["plain_steps"] = timed(plain, prompt, params)
+        plain.shutdown()
+        fast = LLM(**settings, speculative_config=spec)
+        results["ngram"], tokens, results["ngram_steps"] = timed(fast, prompt, params)
+        counters = fast.engine._counters
+        results["acceptance"] = counters.accepted_tokens / max(1, counters.proposed_tokens)
+        # equal in float32; in bf16 a k + 1-row GEMM sums in another order than a 1-row one (the precision issue's
+        # batch-invariant mode is what makes them equal), so the texts may part after a while
+        results["same_tokens"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+                                      min(len(tokens), len(reference)))
+        results["ratio"] = results["ngram"] / results["plain"]
+    else:
+        model = model_shapes.shaped_model(args.model_shape, gguf_to_hf(default_model_path()), cache_dir())
+        prompt = {"prompt_token_ids": list(range(100, 228))}
+        plain = LLM(str(model), **settings)
+        results["plain"], reference, _ = timed(plain, prompt, params)
+        plain.shutdown()
+        llm = LLM(str(model), **settings, speculative_config=spec)
+        for right in (False, True):
+            # "right" proposes what the wrong-proposal run generated: in bf16 a k + 1-row step's tokens may part from
+            # a one-row step's, and the proposals must be the speculating engine's own greedy tokens
+            llm.engine.scheduler.speculative = _Oracle(args.k, prompt["prompt_token_ids"], reference, right)
+            name = "all_right" if right else "all_wrong"
+            results[name], reference, results[name + "_steps"] = timed(llm, prompt, params)
+            results[name + "_ratio"] = results[name] / results["plain"]
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
