@@ -118,6 +118,11 @@ class LLMEngine:
                     "prefix caching %s; ready in %.1f s", c.max_model_len, c.max_num_seqs,
                     c.max_num_batched_tokens, "on" if c.enable_chunked_prefill else "off",
                     "on" if c.enable_prefix_caching else "off", seconds)
+        if self.speculative is not None:
+            s = self.speculative
+            logger.info("speculative decoding: n-gram prompt lookup of %d-%d tokens, up to %d proposed per step, in "
+                        "steps of at most %d running requests (greedy requests only)", s.prompt_lookup_min,
+                        s.prompt_lookup_max, s.num_speculative_tokens, s.disable_by_batch_size)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -545,7 +550,8 @@ class LLMEngine:
             prefix_cache_queries=cache.queries if cache is not None else 0,
             prefix_cache_hits=cache.hits if cache is not None else 0, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, batched_tokens=c.batched_tokens,
-            steps=c.steps, finished_requests=c.finished_requests,
+            steps=c.steps, finished_requests=c.finished_requests, spec_draft_tokens=c.proposed_tokens,
+            spec_accepted_tokens=c.accepted_tokens,
             requests_tracked=len(self.scheduler.requests) + len(self._groups) + self.batch_builder.rows_in_use)
 
     def release_thread(self) -> None:

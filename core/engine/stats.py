@@ -23,6 +23,8 @@ class EngineStats:
     batched_tokens: int = 0  # tokens computed in steps, prompts and outputs
     steps: int = 0
     finished_requests: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed
+    spec_accepted_tokens: int = 0  # of those, tokens the model agreed with
     requests_tracked: int = 0  # entries of the engine's per-request tables; above 0 when idle means a leak
 
     @property

@@ -102,6 +102,8 @@ def test_serve_model_flag_from_the_hub_cache_with_vllm_flags(cache, start_server
                           "warning", "--root-path", "/proxy", "--allowed-origins", '["http://ui.example"]',
                           "--api-key", "k1,k2", "--gpu-memory-utilization", "0.9", "--enforce-eager",
                           "--swap-space", "4", "--disable-log-stats", "--scheduling-policy", "priority",
+                          "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
                           env={**OFFLINE, "HF_HUB_CACHE": str(cache), "PAGEDLLM_LOGGING_LEVEL": "INFO"})
     log = server.log()
     assert "--gpu-memory-utilization has no effect" in log and "--enforce-eager has no effect" in log
@@ -114,6 +116,10 @@ def test_serve_model_flag_from_the_hub_cache_with_vllm_flags(cache, start_server
             assert out.usage.prompt_tokens_details.cached_tokens == 0
             with pytest.raises(openai.BadRequestError):  # --max-logprobs 5, from the YAML file
                 client.completions.create(model=REPO, prompt="x", logprobs=6)
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="k1", max_retries=0) as client:  # a prompt repeating
+        client.completions.create(model=REPO, prompt="Paris is the capital. Paris is the capital. Paris is the",
+                                  max_tokens=48, temperature=0)
+    assert server.metrics()["vllm:spec_decode_num_draft_tokens_total"] > 0
     # uvicorn puts --root-path in front of the path the middleware sees: the key still guards /v1
     assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k3"}).status_code == 401
     assert httpx.get(server.url + "/ping").status_code == 200

@@ -46,7 +46,9 @@ class _EngineStatsCollector:
                  stats.prefix_cache_hits),
                 ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
                 ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens),
-                ("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)):
+                ("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_accepted_tokens)):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self.label_values, value)
             yield counter
