@@ -105,8 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(a request's priority, lower first, then arrival; the most recent of the lowest priority is preempted "
             "first), as vLLM's", ("fcfs", "priority")),
     Setting("speculative_config", str, None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
-            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (greedy requests; "
-            "off in steps with more than disable_by_batch_size, default 4, requests running)", shown_default="off"),
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (off in steps with "
+            "more than disable_by_batch_size, default 4, requests running)", shown_default="off"),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "

@@ -121,3 +121,24 @@ def test_allowed_token_ids_and_bad_words():
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(InvalidRequestError, match="bad_words"):
         SamplingParams(bad_words=["ok", ""])
+
+
+def test_rejection_sampling_keeps_the_distribution_exact():
+    """A proposed token verified against p: the first token out is distributed as p whatever was proposed, and
+    after an accepted proposal the bonus token as the next row's distribution."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5], [2.0, 0.0, 0.0, 1.0]])
+    p = torch.softmax(logits, dim=-1)
+    sampler = Sampler(0)
+    for proposal in (2, 0):
+        request = req(temperature=1.0)
+        firsts, bonus = torch.zeros(4), torch.zeros(4)
+        trials = 20000
+        for _ in range(trials):
+            tokens, accepted = sampler.verify(logits, request, [proposal])
+            firsts[tokens[0]] += 1
+            if accepted:
+                bonus[tokens[1]] += 1
+        assert (firsts / trials - p[0]).abs().max() < 0.015
+        assert (bonus / bonus.sum() - p[1]).abs().max() < 0.02
+    greedy = req(temperature=0)
+    assert sampler.verify(logits, greedy, [2]) == ([2, 0], 1) and sampler.verify(logits, greedy, [1]) == ([2], 0)

@@ -121,7 +121,7 @@ class LLMEngine:
         if self.speculative is not None:
             s = self.speculative
             logger.info("speculative decoding: n-gram prompt lookup of %d-%d tokens, up to %d proposed per step, in "
-                        "steps of at most %d running requests (greedy requests only)", s.prompt_lookup_min,
+                        "steps of at most %d running requests", s.prompt_lookup_min,
                         s.prompt_lookup_max, s.num_speculative_tokens, s.disable_by_batch_size)
 
     # -- requests ------------------------------------------------------------------------------
@@ -361,19 +361,14 @@ class LLMEngine:
 
     def _verify_proposals(self, logits: torch.Tensor, parts: list[ProposalRows]) -> list[tuple[Request, list[int],
                                                                                                      int]]:
-        """Per request with proposals: (its new tokens, how many proposals were right). Its requests are greedy
-        (``can_speculate``): each row's argmax is the token the sampler would pick, so a proposal is right while it
-        equals the argmax before it, and the first wrong one is replaced by that argmax, as greedy decoding would
-        have gone on without proposals."""
+        """Per request with proposals: (its new tokens, how many proposals were right), from the sampler's
+        verification (argmax for greedy requests, rejection sampling for sampled ones)."""
         verified = []
         for part in parts:
             proposals = part.item.spec_tokens
-            rows = logits[part.first_row:part.first_row + len(proposals) + 1].to(torch.float32)
-            best = rows.numpy().argmax(axis=-1).tolist()
-            accepted = 0
-            while accepted < len(proposals) and proposals[accepted] == best[accepted]:
-                accepted += 1
-            verified.append((part.item.request, proposals[:accepted] + [best[accepted]], accepted))
+            rows = logits[part.first_row:part.first_row + len(proposals) + 1]
+            new_tokens, accepted = self.sampler.verify(rows, part.item.request, proposals)
+            verified.append((part.item.request, new_tokens, accepted))
             self._counters.proposed_tokens += len(proposals)
             self._counters.accepted_tokens += accepted
         return verified

@@ -57,6 +57,37 @@ class Sampler:
             logprobs[i] = (float(sampled), int((row > sampled).sum()) + 1, top_ids.tolist(), top_vals.tolist())
         return SamplerOutput(token_list, logprobs)
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, request: Request, proposals: list[int]) -> tuple[list[int], int]:
+        """Speculative decoding's verification of ``proposals`` (n-gram: each a single token, a draft distribution
+        of one point) from ``len(proposals) + 1`` logits rows: (the tokens to append, how many proposals were
+        accepted). Greedy: a proposal stands while it is the argmax. Sampled: proposal x at row i stands with
+        probability p_i(x), else the token is drawn from p_i without x (the residual max(p - q, 0) renormalized),
+        and after k accepted ones a bonus token is drawn from the last row, so the output has the distribution
+        plain sampling has (Leviathan et al.; vLLM's rejection sampler)."""
+        logits = logits.to(torch.float32)
+        if request.params.greedy:
+            best = logits.numpy().argmax(axis=-1).tolist()
+            accepted = 0
+            while accepted < len(proposals) and proposals[accepted] == best[accepted]:
+                accepted += 1
+            return proposals[:accepted] + [best[accepted]], accepted
+        rows = [request] * len(logits)
+        scaled = logits / request.params.temperature
+        if request.params.needs_truncation:
+            scaled = _truncate(scaled, rows)
+        probs = torch.softmax(scaled, dim=-1)
+        generator = request.generator or self.generator
+        for i, token in enumerate(proposals):
+            if torch.rand((), generator=generator) < probs[i, token]:
+                continue
+            residual = probs[i].clone()
+            residual[token] = 0.0
+            if residual.sum() <= 0:  # p is all on the proposal: it stands
+                continue
+            return proposals[:i] + [int(torch.multinomial(residual, 1, generator=generator))], i
+        return proposals + [int(torch.multinomial(probs[-1], 1, generator=generator))], len(proposals)
+
     # -- logits processing ---------------------------------------------------------------------
     @staticmethod
     def _adjust_logits(logits: torch.Tensor, requests: list[Request]) -> None:

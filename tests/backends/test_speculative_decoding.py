@@ -1,6 +1,7 @@
 """Speculative decoding (n-gram prompt lookup): greedy output equals transformers' token for token with proposals
 verified in the paged batch, alongside chunked prefill, prefix caching, preemption, n > 1 and stop strings, on both
-backends; most proposals are accepted where the output repeats its prompt (SmolLM2 asked to copy a text)."""
+backends; sampled requests speculate reproducibly under a seed; most proposals are accepted where the output repeats
+its prompt (SmolLM2 asked to copy a text)."""
 
 from __future__ import annotations
 
@@ -82,12 +83,18 @@ def test_n_stop_strings_and_sampled_requests_beside_speculation(tiny_llama):
     text = plain.generate(prompt, GREEDY, use_tqdm=False)[0].text
     stop = text[len(text) // 2:len(text) // 2 + 3]
     for params in (SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                   SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop]),
-                   SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)):  # never speculates
+                   SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop])):
         ours = llm.generate(prompt, params, use_tqdm=False)[0]
         theirs = plain.generate(prompt, params, use_tqdm=False)[0]
         assert [(c.token_ids, c.text, c.finish_reason) for c in ours.outputs] == \
             [(c.token_ids, c.text, c.finish_reason) for c in theirs.outputs]
+    # sampled requests speculate too (rejection sampling, exact in distribution: tests/test_sampling.py); a seed
+    # still gives the same text every time
+    llm.engine.scheduler.speculative = SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": 1})  # more matches
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    proposed = llm.engine._counters.proposed_tokens
+    first, second = (llm.generate(prompt, sampled, use_tqdm=False)[0].token_ids for _ in range(2))
+    assert first == second and len(first) == NEW_TOKENS and llm.engine._counters.proposed_tokens > proposed
     llm.shutdown()
     plain.shutdown()
 
