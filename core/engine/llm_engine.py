@@ -350,25 +350,26 @@ class LLMEngine:
         for request, token_id, token_logprobs in zip(requests, token_ids, logprobs):
             completion = self._append_token(request, token_id, token_logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
-        for request, new_tokens, num_accepted in verified:
-            for token_id in new_tokens:
-                progressed.setdefault(request.group_id, []).append(self._append_token(request, token_id, None, now))
+        for request, new_tokens, token_logprobs, num_accepted in verified:
+            for token_id, entry in zip(new_tokens, token_logprobs):
+                progressed.setdefault(request.group_id, []).append(self._append_token(request, token_id, entry, now))
                 if request.status.finished:
                     break
             self.scheduler.accept_proposals(request, num_accepted)
         outputs = [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
         return outputs + self._fail_requests(failed, now)
 
-    def _verify_proposals(self, logits: torch.Tensor, parts: list[ProposalRows]) -> list[tuple[Request, list[int],
-                                                                                                     int]]:
-        """Per request with proposals: (its new tokens, how many proposals were right), from the sampler's
-        verification (argmax for greedy requests, rejection sampling for sampled ones)."""
+    def _verify_proposals(self, logits: torch.Tensor, parts: list[ProposalRows]) -> list[tuple]:
+        """Per request with proposals: (its new tokens, their logprobs or Nones, how many proposals were right), from
+        the sampler's verification (argmax for greedy requests, rejection sampling for sampled ones)."""
         verified = []
         for part in parts:
-            proposals = part.item.spec_tokens
+            proposals, request = part.item.spec_tokens, part.item.request
             rows = logits[part.first_row:part.first_row + len(proposals) + 1]
-            new_tokens, accepted = self.sampler.verify(rows, part.item.request, proposals)
-            verified.append((part.item.request, new_tokens, accepted))
+            new_tokens, accepted = self.sampler.verify(rows, request, proposals)
+            logprobs = self.sampler.token_logprobs(rows, new_tokens, request.params.logprobs) \
+                if request.params.logprobs is not None else [None] * len(new_tokens)
+            verified.append((request, new_tokens, logprobs, accepted))
             self._counters.proposed_tokens += len(proposals)
             self._counters.accepted_tokens += accepted
         return verified

@@ -88,6 +88,19 @@ class Sampler:
             return proposals[:i] + [int(torch.multinomial(residual, 1, generator=generator))], i
         return proposals + [int(torch.multinomial(probs[-1], 1, generator=generator))], len(proposals)
 
+    @staticmethod
+    @torch.inference_mode()
+    def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, int, list[int],
+                                                                                       list[float]]]:
+        """Row i's raw logprob and rank of ``tokens[i]`` and its top ``k``, as ``__call__`` reports them."""
+        rows = torch.log_softmax(logits[:len(tokens)].to(torch.float32), dim=-1)
+        entries = []
+        for row, token in zip(rows, tokens):
+            top_vals, top_ids = row.topk(k) if k else (row[:0], torch.zeros(0, dtype=torch.long))
+            chosen = row[token]
+            entries.append((float(chosen), int((row > chosen).sum()) + 1, top_ids.tolist(), top_vals.tolist()))
+        return entries
+
     # -- logits processing ---------------------------------------------------------------------
     @staticmethod
     def _adjust_logits(logits: torch.Tensor, requests: list[Request]) -> None:

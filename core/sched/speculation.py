@@ -77,9 +77,8 @@ class SpeculativeConfig:
 
 def can_speculate(request) -> bool:
     """Whether each next token's distribution follows from its logits row alone (temperature, top-k/top-p/min-p):
-    none of what depends on the tokens before it or needs each token's own record (penalties, bias, bad words,
-    grammars, logprobs, min_tokens still pending)."""
+    none of what depends on the tokens before it (penalties, bias, bad words,
+    grammars, min_tokens still pending)."""
     params = request.params
     return (not params.needs_penalties and not params.logit_bias and not params.allowed_token_ids
-            and not request.bad_word_ids and request.grammar is None and params.logprobs is None
-            and request.num_output_tokens >= params.min_tokens)
+            and not request.bad_word_ids and request.grammar is None and request.num_output_tokens >= params.min_tokens)

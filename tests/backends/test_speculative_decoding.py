@@ -88,6 +88,15 @@ def test_n_stop_strings_and_sampled_requests_beside_speculation(tiny_llama):
         theirs = plain.generate(prompt, params, use_tqdm=False)[0]
         assert [(c.token_ids, c.text, c.finish_reason) for c in ours.outputs] == \
             [(c.token_ids, c.text, c.finish_reason) for c in theirs.outputs]
+    with_logprobs = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    llm.engine.scheduler.speculative = OracleProposer(llm.engine.speculative, [prompt["prompt_token_ids"]],
+                                                      [plain.generate(prompt, GREEDY, use_tqdm=False)[0].token_ids])
+    ours = llm.generate(prompt, with_logprobs, use_tqdm=False)[0].outputs[0]
+    theirs = plain.generate(prompt, with_logprobs, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids and llm.engine._counters.accepted_tokens > 0
+    for mine, other in zip(ours.logprobs, theirs.logprobs):  # each token's from its own row, as without proposals
+        assert list(mine) == list(other) and [lp.rank for lp in mine.values()] == [lp.rank for lp in other.values()]
+        assert [lp.logprob for lp in mine.values()] == pytest.approx([lp.logprob for lp in other.values()], abs=1e-4)
     # sampled requests speculate too (rejection sampling, exact in distribution: tests/test_sampling.py); a seed
     # still gives the same text every time
     llm.engine.scheduler.speculative = SpeculativeConfig.parse({**NGRAM, "prompt_lookup_min": 1})  # more matches
