@@ -144,9 +144,11 @@ class CPUBackend(Backend):
                  "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
                  "attention_mode": attention_mode(), "quantization": self.quantization,
                  "gguf_file": self._gguf_file()}
+        # a step's logits rows: one per sequence, more with prompt logprobs or proposals to verify (each a token of
+        # the step's budget, 2048 unless set; the buffer is paged in as it is used)
+        max_rows = max(self.config.max_num_seqs, self.config.max_num_batched_tokens or 2048)
         self.runner = TensorParallelExecutor(model, options["tensor_parallel_size"], self.rank_plans,
-                                             options["distributed_init_method"] or local_init_method(),
-                                             self.config.max_num_seqs)
+                                             options["distributed_init_method"] or local_init_method(), max_rows)
         info = self.runner.load()
         self.attention_path = self.runner.ranks[0]["attention"]
         return info

@@ -35,7 +35,8 @@ def make_llm(model_dir, **kwargs):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_equal_one_and_transformers(tiny_model_dirs, references, arch):
-    """Prefix caching, chunked prefill and preemption at once: a pool of 20 blocks per rank, evictions included."""
+    """Prefix caching, chunked prefill, preemption and (at TP=2) speculative decoding at once: a pool of 20 blocks
+    per rank, evictions included."""
     shared, shared_expected = references[arch]["shared"]
     plain, plain_expected = references[arch]["plain"]
     settings = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32,
@@ -43,7 +44,8 @@ def test_two_ranks_equal_one_and_transformers(tiny_model_dirs, references, arch)
     one_rank_space = 20 * kv_bytes_per_block(arch) / 2**30
     llms = {1: make_llm(tiny_model_dirs[arch], kv_cache_space=one_rank_space, **settings),
             2: make_llm(tiny_model_dirs[arch], kv_cache_space=one_rank_space / 2, tensor_parallel_size=2,
-                        **settings)}  # the space is per rank, and a rank holds half the KV heads
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                        **settings)}  # the space is per rank, and a rank holds half the KV heads; TP=2 speculates
     try:
         for size, llm in llms.items():
             assert llm.engine.num_blocks == 20
@@ -51,6 +53,7 @@ def test_two_ranks_equal_one_and_transformers(tiny_model_dirs, references, arch)
                 assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected, f"TP={size}"
             assert llm.engine.scheduler.num_preemptions > 0
             assert llm.engine.kv_manager.prefix_cache.hits > 0
+        assert llms[2].engine.stats().spec_draft_tokens > 0
         ranks = llms[2].engine.backend.runner.ranks
         assert [r["kv_heads"] for r in ranks] == [1, 1]  # of the model's 2
     finally:

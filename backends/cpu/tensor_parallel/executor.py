@@ -97,7 +97,7 @@ class TensorParallelExecutor:
     def execute(self, batch: Batch) -> torch.Tensor:
         rows = len(batch.logits_indices)
         if rows > self.max_rows:
-            raise ValueError(f"{rows} logits rows asked, the buffer holds {self.max_rows} (max_num_seqs)")
+            raise ValueError(f"{rows} logits rows asked, the buffer holds {self.max_rows} (max_num_batched_tokens)")
         self._command(*wire.pack_batch(batch))
         return self.logits[:rows].clone()  # the buffer is rank 0's to overwrite in the next step
 
