@@ -66,6 +66,12 @@ class Sampler:
         and after k accepted ones a bonus token is drawn from the last row, so the output has the distribution
         plain sampling has (Leviathan et al.; vLLM's rejection sampler)."""
         logits = logits.to(torch.float32)
+        if request.grammar is not None:  # each row masked as the grammar stands after the proposals before it
+            import xgrammar as xgr
+
+            logits = logits.clone() if logits.dtype == torch.float32 else logits
+            xgr.apply_token_bitmask_inplace(logits, request.grammar.masks_along(proposals, logits.shape[-1]),
+                                            vocab_size=logits.shape[-1])
         if request.params.greedy:
             best = logits.numpy().argmax(axis=-1).tolist()
             accepted = 0

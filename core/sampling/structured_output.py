@@ -48,6 +48,29 @@ class GrammarState:
             return False
         return not matcher.is_terminated()
 
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of ``tokens`` the grammar accepts from here (a copy of the matcher walks it)."""
+        matcher = self.matcher.fork()
+        for i, token in enumerate(tokens):
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                return tokens[:i]
+        return tokens
+
+    def masks_along(self, tokens: list[int], vocab_size: int) -> torch.Tensor:
+        """The token bitmasks at each step of following ``tokens`` (which it must accept) and after them: one row
+        per position, for verifying proposals."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(tokens) + 1, vocab_size)  # all allowed: rows past the grammar's
+        matcher = self.matcher.fork()  # end are never used (the sequence ends there)
+        for i in range(len(tokens) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i < len(tokens):
+                matcher.accept_token(tokens[i])
+        return bitmask
+
 
 class StructuredOutputManager:
     """Compiles constraints on a thread of its own (xgrammar lets go of the GIL meanwhile, so steps go on), once

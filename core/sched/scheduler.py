@@ -249,4 +249,7 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - request.num_tokens - 1)
-        return self.speculative.propose(request.all_token_ids, limit)
+        proposals = self.speculative.propose(request.all_token_ids, limit)
+        if proposals and request.grammar is not None:  # what the grammar would refuse is not worth verifying
+            proposals = request.grammar.allowed_prefix(proposals)
+        return proposals

@@ -76,9 +76,9 @@ class SpeculativeConfig:
 
 
 def can_speculate(request) -> bool:
-    """Whether each next token's distribution follows from its logits row alone (temperature, top-k/top-p/min-p):
-    none of what depends on the tokens before it (penalties, bias, bad words,
-    grammars, min_tokens still pending)."""
+    """Whether each next token's distribution follows from its logits row and its grammar (temperature, top-k/top-p/
+    min-p; a grammar masks each row as it stands after the proposals before it): none of what depends on the tokens
+    before it otherwise (penalties, bias, bad words, min_tokens still pending)."""
     params = request.params
     return (not params.needs_penalties and not params.logit_bias and not params.allowed_token_ids
-            and not request.bad_word_ids and request.grammar is None and request.num_output_tokens >= params.min_tokens)
+            and not request.bad_word_ids and request.num_output_tokens >= params.min_tokens)

@@ -108,6 +108,23 @@ def test_n_stop_strings_and_sampled_requests_beside_speculation(tiny_llama):
     plain.shutdown()
 
 
+def test_proposals_under_a_grammar_are_checked_against_it(tiny_llama):
+    """A constrained request speculates: proposals the grammar refuses are cut before the step, and each row is
+    masked as the grammar stands after the proposals before it; the output is the plain engine's."""
+    regex = {"regex": "[a-z ]{10,30}\\.( [a-z ]{5,20}\\.){1,3}"}
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, structured_outputs=regex)
+    prompts = [{"prompt_token_ids": p} for p in repeating_prompts()[:3]]
+    plain = LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01)
+    expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, speculative_config=NGRAM)
+    llm.engine.scheduler.speculative = OracleProposer(llm.engine.speculative,
+                                                      [p["prompt_token_ids"] for p in prompts], expected)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine._counters.accepted_tokens > 0
+    llm.shutdown()
+
+
 def test_smollm2_copying_a_text_accepts_most_proposals():
     llm = LLM(dtype="float32", max_model_len=512, kv_cache_space=0.05, speculative_config=NGRAM)
     text = ("The paged KV cache stores keys and values in fixed-size blocks, so memory is allocated as sequences "
