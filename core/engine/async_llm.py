@@ -101,6 +101,7 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     last_output_time: float | None = None
+    snapshot: bool = False  # hand out copies of the growing token lists (the caller may read outputs late)
 
 
 @dataclasses.dataclass
@@ -110,6 +111,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     done: asyncio.Future
+    snapshot: bool = False
 
 
 class AsyncLLMEngine:
@@ -142,9 +144,10 @@ class AsyncLLMEngine:
 
     # -- the callers' side ------------------------------------------------------------------------------------
     async def add(self, requests: Sequence[RequestSpec], arrival_time: float | None = None,
-                  priority: int = 0) -> OutputStream:
+                  priority: int = 0, snapshot: bool = False) -> OutputStream:
         """Queue requests all or none: raises the first request's ``InvalidRequestError`` and queues nothing.
-        ``priority`` (all of them) matters under the priority scheduling policy."""
+        ``priority`` (all of them) matters under the priority scheduling policy; with ``snapshot`` every output
+        holds its own copy of the token ids and logprobs so far (they are the engine's growing lists otherwise)."""
         loop = asyncio.get_running_loop()
         stream = OutputStream(self, [request_id for request_id, _, _ in requests])
         prompts = []
@@ -157,7 +160,8 @@ class AsyncLLMEngine:
                 raise self._dead
             if not self._routes and not self._front.requests_tracked:
                 self._last_progress = time.monotonic()  # the watch starts with the work, not at the last step
-            self._front.add(prompts, arrival_time or time.time(), _Add(loop, stream._queue, done), priority)
+            self._front.add(prompts, arrival_time or time.time(), _Add(loop, stream._queue, done, snapshot),
+                            priority)
         try:
             await done
         except asyncio.CancelledError:
@@ -247,7 +251,7 @@ class AsyncLLMEngine:
     def _added(self, event: AddDone) -> None:
         add: _Add = event.context
         for request_id in event.accepted:
-            self._routes[request_id] = _Route(add.loop, add.queue)
+            self._routes[request_id] = _Route(add.loop, add.queue, snapshot=add.snapshot)
         _resolve(add.loop, add.done, event.error)
 
     def _route(self, outputs: list[RequestOutput], now: float):
@@ -258,6 +262,11 @@ class AsyncLLMEngine:
             route = self._routes.get(output.request_id)
             if route is None:
                 continue
+            if route.snapshot:
+                for completion in output.outputs:
+                    completion.token_ids = list(completion.token_ids)
+                    if completion.logprobs is not None:
+                        completion.logprobs = list(completion.logprobs)
             deliveries.setdefault(route.loop, []).append((route.queue, output))
             metrics = output.metrics
             if route.last_output_time is None and metrics.first_token_time is not None:
@@ -337,13 +346,9 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
                        priority: int = 0):
         stream = await self.engine.add([(request_id, prompt, sampling_params or SamplingParams())],
-                                       priority=priority)
+                                       priority=priority, snapshot=True)
         async with stream:
             async for output in stream:
-                for completion in output.outputs:  # each output its own: the engine's lists grow on
-                    completion.token_ids = list(completion.token_ids)
-                    if completion.logprobs is not None:
-                        completion.logprobs = list(completion.logprobs)
                 yield output
 
     async def abort(self, request_id: str | Sequence[str]) -> None:
