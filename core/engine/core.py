@@ -78,6 +78,7 @@ class EngineCore:
         # adds answered once their requests' grammars have compiled: add id -> its request ids
         self._deferred: dict[int, list[str]] = {}
         self._grammar_results: dict[str, Exception | None] = {}
+        self._prompt_logprobs_sent: set[str] = set()  # requests whose prompt logprobs went out (once each)
 
     def run(self) -> None:
         """Serve until told to stop; raises what a step raised once the engine gives up (the caller says so)."""
@@ -94,7 +95,7 @@ class EngineCore:
                 continue
             outputs = engine.step()
             stats = engine.stats()
-            self.channel.send(Step(time.time(), [request_delta(o) for o in outputs], stats))
+            self.channel.send(Step(time.time(), [self._delta(o) for o in outputs], stats))
             self.last_stats = stats
             self.stats_log.observe(stats, time.monotonic())
 
@@ -130,6 +131,7 @@ class EngineCore:
                 self.channel.send(answer)
         elif isinstance(command, Abort):
             engine.abort_request(command.request_ids)
+            self._prompt_logprobs_sent.difference_update(command.request_ids)
         elif isinstance(command, StopSequence):
             engine.stop_sequence(command.request_id, command.index)
         elif isinstance(command, Shutdown):  # the last stats say what it freed
@@ -170,6 +172,16 @@ class EngineCore:
                 self.channel.send(Added(add_id))
                 self.engine.admit(request_ids)
 
+    def _delta(self, output: RequestOutput) -> RequestDelta:
+        """The output as the front end gets it; a request's prompt logprobs go with its first output only."""
+        sent = self._prompt_logprobs_sent
+        first = output.prompt_logprobs is not None and output.request_id not in sent
+        if output.finished:
+            sent.discard(output.request_id)
+        elif first:
+            sent.add(output.request_id)
+        return request_delta(output, first)
+
     def _send_stats_if_changed(self) -> None:
         stats = self.engine.stats()
         if stats != self.last_stats:  # an abort freed blocks, a request left the queue: metrics readers see it
@@ -177,15 +189,14 @@ class EngineCore:
             self.last_stats = stats
 
 
-def request_delta(output: RequestOutput) -> RequestDelta:
+def request_delta(output: RequestOutput, with_prompt_logprobs: bool = False) -> RequestDelta:
     sequences = []
     for c in output.outputs:
         sequences.append(SequenceDelta(c.index, c.delta_token_ids[-1], c.delta_logprobs[-1] if c.delta_logprobs
                                        else None, c.cumulative_logprob, c.finish_reason, c.stop_reason))
     m = output.metrics
-    first_token = any(c.index == 0 and len(c.token_ids) == 1 for c in output.outputs)
     return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time, output.error,
-                        output.prompt_logprobs if first_token else None, output.num_cached_tokens)
+                        output.prompt_logprobs if with_prompt_logprobs else None, output.num_cached_tokens)
 
 
 def error_type(exc: BaseException) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from pagedllm.errors import ConfigError
@@ -62,6 +63,8 @@ def _flags_from_file(path: Path, options: dict[str, argparse.Action], given: set
                 flags.append("--no-" + flag[2:])
             elif value != bool(action.default):
                 raise ConfigError(f"--config {path}: {key}: {value} cannot be expressed with {flag}")
+        elif isinstance(value, dict) or (isinstance(value, list) and action.nargs is None):
+            flags += [flag, json.dumps(value)]  # a JSON-valued flag: --speculative-config, --allowed-origins
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
         else:

@@ -240,8 +240,9 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
 
     def _proposals(self, request: Request) -> list[int]:
-        """Tokens to verify after the request's next one, within its max_tokens and max_model_len."""
-        if not can_speculate(request):
+        """Tokens to verify after the request's next one, within its max_tokens and max_model_len. None for its
+        first token: that comes from the prompt's last position, where n > 1 forks and prompt logprobs end."""
+        if request.num_output_tokens == 0 or not can_speculate(request):
             return []
         params = request.params
         limit = self.speculative.num_speculative_tokens

@@ -108,6 +108,24 @@ def test_n_stop_strings_and_sampled_requests_beside_speculation(tiny_llama):
     plain.shutdown()
 
 
+def test_a_one_token_last_chunk_forks_n_and_keeps_prompt_logprobs(tiny_llama):
+    """The prompt's last chunk of one token looks like a decode; its token is the first output, where n > 1 forks
+    and prompt logprobs end: it is sampled, not speculated (through an engine-core process as well)."""
+    prompt = {"prompt_token_ids": repeating_prompts()[2][:33]}  # chunks of 16, 16, then 1
+    settings = dict(dtype="float32", kv_cache_space=0.01, max_num_batched_tokens=16, max_num_seqs=4)
+    plain = LLM(str(tiny_llama), **settings)
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    expected = plain.generate(prompt, params, use_tqdm=False)[0]
+    plain.shutdown()
+    for engine_process in (False, True):
+        llm = LLM(str(tiny_llama), **settings, engine_process=engine_process,
+                  speculative_config={**NGRAM, "prompt_lookup_min": 1})
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs]
+        assert [list(e or {}) for e in out.prompt_logprobs] == [list(e or {}) for e in expected.prompt_logprobs]
+        llm.shutdown()
+
+
 def test_proposals_under_a_grammar_are_checked_against_it(tiny_llama):
     """A constrained request speculates: proposals the grammar refuses are cut before the step, and each row is
     masked as the grammar stands after the proposals before it; the output is the plain engine's."""

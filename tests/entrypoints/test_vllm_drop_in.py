@@ -180,11 +180,14 @@ def test_human_readable_sizes(value, expected):
 
 def test_config_file_flags_lose_to_the_command_line(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("port: 9000\nmax_model_len: 2k\nenable-prefix-caching: false\nserved_model_name: [a, b]\n")
+    config.write_text("port: 9000\nmax_model_len: 2k\nenable-prefix-caching: false\nserved_model_name: [a, b]\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 4}\nallowed-origins: ['*']\n")
     parser = build_parser()
     args = parser.parse_args(expand_config_file(["serve", "m", "--config", str(config), "--port", "9100"], parser))
     assert (args.port, args.max_model_len, args.enable_prefix_caching, args.served_model_name) == \
         (9100, 2000, False, ["a", "b"])
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert args.allowed_origins == ["*"]
     config.write_text("no_such_flag: 1\n")
     with pytest.raises(ConfigError, match="not a flag of this command"):
         expand_config_file(["serve", "--config", str(config)], parser)
