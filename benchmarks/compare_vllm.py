@@ -1,5 +1,6 @@
 """pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI and plain transformers ``generate``, same token ids, one run.
 
+W0 (``--workloads W0``): one request, 128 prompt tokens -> 256 output tokens, decoding alone (batch-1 latency).
 W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
 tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. W3 is served: 32 streamed
 completions of 256 prompt tokens -> 64 tokens at seeded Poisson arrivals (all within 8 s), sent by ``pagedllm bench
@@ -51,9 +52,10 @@ THREAD_COUNT = 2  # of THREADS_BIND, for OpenVINO GenAI, which takes a count
 OV_KV_TYPES = {"fp16": "f16", "u8": "u8", "fp32": "f32", "bf16": "bf16"}  # --kv-cache-dtype -> OpenVINO's name
 KV_CACHE_SPACE = "4"
 
-# name -> (num_prompts, input_len, output_len, prefix_len)
-WORKLOADS = {"W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512), "W3": (32, 256, 64, 0)}
-SMOKE_WORKLOADS = {"W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128), "W3": (8, 64, 16, 0)}
+# name -> (num_prompts, input_len, output_len, prefix_len); W0 is one request decoding alone (batch-1 latency, bound
+# by memory bandwidth: where quantized weights and speculative decoding pay)
+WORKLOADS = {"W0": (1, 128, 256, 0), "W1": (64, 256, 128, 0), "W2": (32, 32, 64, 512), "W3": (32, 256, 64, 0)}
+SMOKE_WORKLOADS = {"W0": (1, 16, 16, 0), "W1": (8, 64, 32, 0), "W2": (8, 16, 16, 128), "W3": (8, 64, 16, 0)}
 SERVED = {"W3"}  # workloads sent to a server; the others run offline
 SERVE_RATE, SERVE_SEED = 3.5, 2  # requests/s and arrival seed: the 32 arrivals of W3 fall within 8 s
 SERVE_MAX_MODEL_LEN = 2048
@@ -74,7 +76,7 @@ PAIRS = (("pagedllm", "vllm"), ("pagedllm", "transformers"), ("pagedllm-openvino
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    workload: str  # W1 / W2
+    workload: str  # W0 / W1 / W2 / W3
     engine: str  # one of ENGINES
     prefix_caching: bool | None  # None: the engine has none (transformers)
 
@@ -282,12 +284,13 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
                              "lower_is_better": key != "output_throughput",
                              **{e: med(workload, e, False, key) for e in engines}})
             continue
-        key = "output_tokens_per_second" if workload == "W1" else "requests_per_second"
-        unit = "output tok/s" if workload == "W1" else "req/s"
-        for caching in ([False] if workload == "W1" else [True, False]):
-            mode = "" if workload == "W1" else f", prefix caching {'on' if caching else 'off'}"
+        unshared = WORKLOADS[workload][3] == 0  # measured in output tokens; a shared prefix in requests
+        key = "output_tokens_per_second" if unshared else "requests_per_second"
+        unit = "output tok/s" if unshared else "req/s"
+        for caching in ([False] if unshared else [True, False]):
+            mode = "" if unshared else f", prefix caching {'on' if caching else 'off'}"
             label = f"{workload} {unit}{mode}"
-            rows.append({"metric": label, "format": ".1f" if workload == "W1" else ".2f",
+            rows.append({"metric": label, "format": ".1f" if unshared else ".2f",
                          **{e: med(workload, e, caching, key) for e in engines}})
         rows.append({"metric": f"{workload} start-up s", "format": ".1f", "lower_is_better": True,
                      **{e: med(workload, e, workload == "W2", "startup_seconds") for e in engines}})
