@@ -1,6 +1,7 @@
 """Batch-1 decode with and without n-gram speculative decoding, in one process, as ratios.
 
-- SmolLM2 (the default model) asked to copy and lightly edit a text: what n-gram proposals are for.
+- SmolLM2 (the default model) on prompts whose answers repeat spans of the prompt (an edit, a quoting summary, a
+  code rewrite: ``COPY_PROMPTS``): what n-gram proposals are for.
 - ``--model-shape llama-1b``: random weights never repeat, so two bounds instead: every proposal wrong (the cost of
   verifying k extra tokens for nothing) and every proposal right (the model's own greedy continuation proposed:
   what a step of k + 1 rows gains over k + 1 steps of one row when decode is bound by memory bandwidth).
@@ -15,13 +16,21 @@ import json
 import time
 
 import model_shapes
-
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.source import cache_dir, default_model_path, gguf_to_hf
 
 TEXT = ("The paged KV cache stores keys and values in fixed-size blocks, so memory is allocated as sequences grow "
         "and almost none is wasted. One CPU box then serves many requests at once with continuous batching, and a "
         "prefix cache lets requests that share a system prompt reuse its blocks instead of computing them again.")
+CODE = ("def total_price(items, tax):\n    total = 0\n    for item in items:\n        total += item.price * "
+        "item.count\n    return total * (1 + tax)\n")
+# Requests whose answers repeat spans of their prompts: an edit, a quoting summary, a code rewrite.
+COPY_PROMPTS = (
+    f"Repeat this text, writing 'CPU' in capitals as 'processor':\n\n{TEXT}",
+    f"Quote the sentence of this text that says how memory is allocated, word for word:\n\n{TEXT}",
+    f"Rewrite this Python function with the variable 'total' renamed to 'amount'. Answer with the code only."
+    f"\n\n{CODE}",
+)
 
 
 class _Oracle:
@@ -59,19 +68,26 @@ def main() -> None:
     results = {}
     if args.model_shape is None:
         plain = LLM(**settings)
-        prompt = plain.apply_chat_template([{"role": "user", "content": "Repeat this text, writing 'CPU' in capitals "
-                                             f"as 'processor':\n\n{TEXT}"}])
-        results["plain"], reference, results["plain_steps"] = timed(plain, prompt, params)
+        prompts = [plain.apply_chat_template([{"role": "user", "content": text}]) for text in COPY_PROMPTS]
+        baseline = [timed(plain, prompt, params) for prompt in prompts]
         plain.shutdown()
         fast = LLM(**settings, speculative_config=spec)
-        results["ngram"], tokens, results["ngram_steps"] = timed(fast, prompt, params)
         counters = fast.engine._counters
-        results["acceptance"] = counters.accepted_tokens / max(1, counters.proposed_tokens)
-        # equal in float32; in bf16 a k + 1-row GEMM sums in another order than a 1-row one (the precision issue's
-        # batch-invariant mode is what makes them equal), so the texts may part after a while
-        results["same_tokens"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b),
-                                      min(len(tokens), len(reference)))
-        results["ratio"] = results["ngram"] / results["plain"]
+        for i, (prompt, (rate, reference, steps)) in enumerate(zip(prompts, baseline)):
+            proposed, accepted = counters.proposed_tokens, counters.accepted_tokens
+            fast_rate, tokens, fast_steps = timed(fast, prompt, params)
+            # equal in float32; in bf16 a k + 1-row GEMM sums in another order than a 1-row one (the precision
+            # issue's batch-invariant mode is what makes them equal), so the texts may part after a while
+            same = next((j for j, (a, b) in enumerate(zip(tokens, reference)) if a != b),
+                        min(len(tokens), len(reference)))
+            results[f"prompt{i}"] = {
+                "tokens": len(reference), "plain_tok_s": rate, "ngram_tok_s": fast_rate, "ratio": fast_rate / rate,
+                "steps": [steps, fast_steps], "same_tokens": same,
+                "acceptance": (counters.accepted_tokens - accepted) / max(1, counters.proposed_tokens - proposed)}
+        runs = [v for k, v in results.items() if k.startswith("prompt")]
+        seconds_plain = sum(r["tokens"] / r["plain_tok_s"] for r in runs)
+        seconds_ngram = sum(r["tokens"] / r["ngram_tok_s"] for r in runs)
+        results["ratio_all_prompts"] = seconds_plain / seconds_ngram  # the same token counts both ways
     else:
         model = model_shapes.shaped_model(args.model_shape, gguf_to_hf(default_model_path()), cache_dir())
         prompt = {"prompt_token_ids": list(range(100, 228))}
@@ -86,7 +102,12 @@ def main() -> None:
             name = "all_right" if right else "all_wrong"
             results[name], reference, results[name + "_steps"] = timed(llm, prompt, params)
             results[name + "_ratio"] = results[name] / results["plain"]
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}, indent=1))
+    def rounded(value):
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        return round(value, 3) if isinstance(value, float) else value
+
+    print(json.dumps(rounded(results), indent=1))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ class Request:
             [None] if params.prompt_logprobs is not None and index == 0 else None
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at first admission
         self.bad_word_ids: list[list[int]] = []  # params.bad_words as token ids, set by the engine
+        self.num_proposed = 0  # speculative decoding: this request's proposed tokens, and of them accepted
+        self.num_accepted = 0
 
     @property
     def num_tokens(self) -> int:

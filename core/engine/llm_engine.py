@@ -350,12 +350,12 @@ class LLMEngine:
         for request, token_id, token_logprobs in zip(requests, token_ids, logprobs):
             completion = self._append_token(request, token_id, token_logprobs, now)
             progressed.setdefault(request.group_id, []).append(completion)
-        for request, new_tokens, token_logprobs, num_accepted in verified:
+        for request, new_tokens, token_logprobs, num_proposed, num_accepted in verified:
             for token_id, entry in zip(new_tokens, token_logprobs):
                 progressed.setdefault(request.group_id, []).append(self._append_token(request, token_id, entry, now))
                 if request.status.finished:
                     break
-            self.scheduler.accept_proposals(request, num_accepted)
+            self.scheduler.accept_proposals(request, num_proposed, num_accepted)
         outputs = [self._group_output(group_id, completions, now) for group_id, completions in progressed.items()]
         return outputs + self._fail_requests(failed, now)
 
@@ -369,7 +369,7 @@ class LLMEngine:
             new_tokens, accepted = self.sampler.verify(rows, request, proposals)
             logprobs = self.sampler.token_logprobs(rows, new_tokens, request.params.logprobs) \
                 if request.params.logprobs is not None else [None] * len(new_tokens)
-            verified.append((request, new_tokens, logprobs, accepted))
+            verified.append((request, new_tokens, logprobs, len(proposals), accepted))
             self._counters.proposed_tokens += len(proposals)
             self._counters.accepted_tokens += accepted
         return verified

@@ -58,10 +58,14 @@ class StatsLogger:
             return
         if stats.steps != last.steps:
             hit_rate = stats.prefix_cache_hit_rate
+            drafts = stats.spec_draft_tokens - last.spec_draft_tokens
+            accepted = stats.spec_accepted_tokens - last.spec_accepted_tokens
             self.logger.info(
                 "%.1f prompt tok/s, %.1f generation tok/s; running %d, waiting %d; KV cache %.1f%% used%s; "
-                "%d preemptions", (stats.prompt_tokens - last.prompt_tokens) / elapsed,
+                "%d preemptions%s", (stats.prompt_tokens - last.prompt_tokens) / elapsed,
                 (stats.generation_tokens - last.generation_tokens) / elapsed, stats.num_running, stats.num_waiting,
                 100 * stats.kv_cache_usage,
-                "" if hit_rate is None else f", prefix cache hit rate {100 * hit_rate:.1f}%", stats.num_preemptions)
+                "" if hit_rate is None else f", prefix cache hit rate {100 * hit_rate:.1f}%", stats.num_preemptions,
+                f"; speculation: {accepted} of {drafts} proposed tokens accepted ({100 * accepted / drafts:.0f}%)"
+                if drafts else "")
         self._last, self._last_time = stats, now

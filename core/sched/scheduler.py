@@ -23,7 +23,9 @@ def _rank(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
-PROMPT_LOGPROBS_CHUNK = 512  # most prompt tokens per step of a request that wants their logprobs
+PROMPT_LOGPROBS_CHUNK = 512
+# speculative decoding backs off for a request past this many proposed tokens with fewer than this share accepted
+LOW_ACCEPTANCE_AFTER, LOW_ACCEPTANCE = 32, 0.1  # most prompt tokens per step of a request that wants their logprobs
 
 
 @dataclasses.dataclass
@@ -232,17 +234,28 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_tokens)
             self.kv.cache_full_blocks(request)
 
-    def accept_proposals(self, request: Request, num_accepted: int) -> None:
+    def accept_proposals(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         """``num_accepted`` proposed tokens were right (and appended): their keys and values, written by the step,
         are the request's; those of the rejected ones are overwritten later (they never reach the prefix cache)."""
         request.num_computed_tokens += num_accepted
+        request.num_proposed += num_proposed
+        request.num_accepted += num_accepted
         if not request.status.finished:
             self.kv.cache_full_blocks(request)
+
+    @staticmethod
+    def _stops_paying(request: Request) -> bool:
+        """A request whose proposals are mostly wrong proposes once per 8 steps only: each wrong one costs a query
+        token of the step's budget and its compute (text that does not repeat its prompt)."""
+        if request.num_proposed < LOW_ACCEPTANCE_AFTER:
+            return False
+        low = request.num_accepted < LOW_ACCEPTANCE * request.num_proposed
+        return low and request.num_output_tokens % 8 != 0
 
     def _proposals(self, request: Request) -> list[int]:
         """Tokens to verify after the request's next one, within its max_tokens and max_model_len. None for its
         first token: that comes from the prompt's last position, where n > 1 forks and prompt logprobs end."""
-        if request.num_output_tokens == 0 or not can_speculate(request):
+        if request.num_output_tokens == 0 or not can_speculate(request) or self._stops_paying(request):
             return []
         params = request.params
         limit = self.speculative.num_speculative_tokens

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+
 from pagedllm.errors import ConfigError
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
@@ -62,16 +64,17 @@ class SpeculativeConfig:
         """Up to ``min(limit, num_speculative_tokens)`` tokens: what followed the latest earlier occurrence of the
         sequence's last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs."""
         k = min(limit, self.num_speculative_tokens)
-        if k <= 0:
-            return []
         length = len(token_ids)
+        if k <= 0 or length < self.prompt_lookup_min + 1:
+            return []
+        ids = np.asarray(token_ids)
+        # where the sequence's last token occurred before: every match of a longer tail ends at one of these
+        ends = np.flatnonzero(ids[:-1] == ids[-1])
         for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
-            tail = token_ids[length - n:]
-            first = tail[0]
-            # the latest earlier match: its continuation is the likeliest to be the sequence's own
-            for start in range(length - n - 1, -1, -1):
-                if token_ids[start] == first and token_ids[start:start + n] == tail:
-                    return token_ids[start + n:start + n + k]
+            for end in ends[::-1]:  # the latest earlier match: its continuation is the likeliest to be the next
+                start = end - n + 1
+                if start >= 0 and token_ids[start:end + 1] == token_ids[length - n:]:
+                    return token_ids[end + 1:end + 1 + k]
         return []
 
 
