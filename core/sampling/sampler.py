@@ -50,11 +50,7 @@ class Sampler:
 
         logprobs: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(requests)
         for j, i in enumerate(want_logprobs):
-            row = raw_logprobs[j]
-            k = requests[i].params.logprobs
-            top_vals, top_ids = row.topk(k) if k else (row[:0], tokens[:0])
-            sampled = row[token_list[i]]
-            logprobs[i] = (float(sampled), int((row > sampled).sum()) + 1, top_ids.tolist(), top_vals.tolist())
+            logprobs[i] = _logprob_entry(raw_logprobs[j], token_list[i], requests[i].params.logprobs)
         return SamplerOutput(token_list, logprobs)
 
     @torch.inference_mode()
@@ -100,12 +96,7 @@ class Sampler:
                                                                                        list[float]]]:
         """Row i's raw logprob and rank of ``tokens[i]`` and its top ``k``, as ``__call__`` reports them."""
         rows = torch.log_softmax(logits[:len(tokens)].to(torch.float32), dim=-1)
-        entries = []
-        for row, token in zip(rows, tokens):
-            top_vals, top_ids = row.topk(k) if k else (row[:0], torch.zeros(0, dtype=torch.long))
-            chosen = row[token]
-            entries.append((float(chosen), int((row > chosen).sum()) + 1, top_ids.tolist(), top_vals.tolist()))
-        return entries
+        return [_logprob_entry(row, token, k) for row, token in zip(rows, tokens)]
 
     # -- logits processing ---------------------------------------------------------------------
     @staticmethod
@@ -144,6 +135,13 @@ class Sampler:
             if request.generator is not None:
                 noise[i].exponential_(generator=request.generator)
         return torch.argmax(probs / noise, dim=-1)
+
+
+def _logprob_entry(row: torch.Tensor, token: int, k: int) -> tuple[float, int, list[int], list[float]]:
+    """A log-softmax row's (logprob of ``token``, its rank, the top ``k`` ids, their logprobs)."""
+    top_vals, top_ids = row.topk(k) if k else (row[:0], torch.zeros(0, dtype=torch.long))
+    chosen = row[token]
+    return float(chosen), int((row > chosen).sum()) + 1, top_ids.tolist(), top_vals.tolist()
 
 
 def _apply_penalties(row: torch.Tensor, request: Request, vocab: int) -> None:

@@ -110,16 +110,11 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
             reasoning = ""
             reasoning_stream = reasoning_streams.get(completion.index)
             if reasoning_stream is not None:
-                reasoning, content = reasoning_stream.feed(content)
-                if completion.finished:
-                    more_reasoning, more_content = reasoning_stream.finish()
-                    reasoning, content = reasoning + more_reasoning, content + more_content
+                reasoning, content = _through(reasoning_stream, content, completion.finished)
             tool_stream = tool_streams.get(completion.index)
             if tool_stream is not None:
-                content, calls = tool_stream.feed(content)
+                content, calls = _through(tool_stream, content, completion.finished)
                 if completion.finished:
-                    more_content, more_calls = tool_stream.finish()
-                    content, calls = content + more_content, calls + more_calls
                     finish_reason = tool_stream.finish_reason(finish_reason)
             if content or calls or reasoning or completion.finished or logprobs:
                 delta = {"content": content} if content else {}
@@ -130,3 +125,12 @@ async def _events(body: ChatCompletionRequest, ctx: ServingContext, stream: Outp
                 yield chunk(completion.index, delta, logprobs, finish_reason, completion.stop_reason)
     if body.include_usage_in_stream:
         yield {**header, "choices": [], "usage": usage(num_prompt_tokens, completion_tokens, cached)}
+
+
+def _through(stream, text: str, finished: bool) -> tuple:
+    """A delta through a reasoning or tool-call stream: its two outputs, with what it held back at the end."""
+    first, second = stream.feed(text)
+    if finished:
+        more_first, more_second = stream.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
