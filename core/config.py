@@ -107,6 +107,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_config", str, None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (off in steps with "
             "more than disable_by_batch_size, default 4, requests running)", shown_default="off"),
+    Setting("batch_invariant", bool, False, "a request's logits are bitwise the same alone, in any batch, chunked or "
+            "not, cached or not, speculated or not (kernels that sum in one order whatever the batch; see "
+            "docs/precision.md for what it costs)", env_aliases=("VLLM_BATCH_INVARIANT",)),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
@@ -146,6 +149,7 @@ class EngineArgs:
     kv_cache_dtype: str | None = None
     scheduling_policy: str | None = None
     speculative_config: str | None = None  # JSON text (a dict is taken and written as JSON)
+    batch_invariant: bool | None = None
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
     max_logprobs: int | None = None
@@ -194,6 +198,7 @@ class EngineConfig:
     kv_cache_dtype: str
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
+    batch_invariant: bool = False
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
     max_logprobs: int = 20
@@ -268,7 +273,8 @@ def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for s in SETTINGS:
-        values[s.name], sources[s.name] = _resolve_one(s, getattr(args, s.name), (*backend_env.get(s.name, ()), s.env),
+        values[s.name], sources[s.name] = _resolve_one(s, getattr(args, s.name),
+                                                       (*backend_env.get(s.name, ()), *s.env_aliases, s.env),
                                                        environ)
     _check_values(values, sources)
     options: dict[str, Any] = {}

@@ -129,7 +129,8 @@ class CPUBackend(Backend):
         logger.info("attention: %s", self.attention_path)
         self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
                                   ThreadBinder(self.thread_plan, kernels), kernels, residual,
-                                  quantization=self.quantization, gguf_file=self._gguf_file())
+                                  quantization=self.quantization, gguf_file=self._gguf_file(),
+                                  batch_invariant=self.config.batch_invariant)
         return self.runner.load()
 
     def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
@@ -143,7 +144,7 @@ class CPUBackend(Backend):
         model = {"model_dir": str(self.model.hf_dir), "dtype": _name(self.dtype), "cache_kind": self.cache_kind,
                  "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
                  "attention_mode": attention_mode(), "quantization": self.quantization,
-                 "gguf_file": self._gguf_file()}
+                 "gguf_file": self._gguf_file(), "batch_invariant": self.config.batch_invariant}
         # a step's logits rows: one per sequence, more with prompt logprobs or proposals to verify (each a token of
         # the step's budget, 2048 unless set; the buffer is paged in as it is used)
         max_rows = max(self.config.max_num_seqs, self.config.max_num_batched_tokens or 2048)

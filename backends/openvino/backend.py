@@ -59,6 +59,10 @@ class OpenVINOBackend(Backend):
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)
+        if config.batch_invariant:
+            raise ConfigError("--batch-invariant is not available on the openvino backend: OpenVINO's CPU plugin "
+                              "picks its GEMM and attention kernels by the batch's shape and exposes no setting that "
+                              "fixes their summation order; use --backend cpu")
         self.quantize_weights = _weight_compression(config.backend_options["quantization"],
                                                     config.backend_options["quantize_weights"])
         if model.kind == "openvino" and self.quantize_weights != "none":

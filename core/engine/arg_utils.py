@@ -17,7 +17,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """The core's settings, then every installed backend's own."""
     group = parser.add_argument_group("engine")
     for s in SETTINGS:
-        _add_flag(group, s, s.env)
+        _add_flag(group, s, ", ".join([*s.env_aliases, s.env]))
     owners = backend_settings()
     if owners:
         group = parser.add_argument_group("backend settings")
@@ -96,7 +96,7 @@ def settings_table() -> list[str]:
 
     for s in SETTINGS:
         envs = [f"`{e}` ({cls.name} backend)" for cls in classes for e in cls.env_vars.get(s.name, ())]
-        row(s, [*envs, f"`{s.env}`"])
+        row(s, [*envs, *(f"`{e}`" for e in (*s.env_aliases, s.env))])
     for s, backends in backend_settings():
         row(s, [f"`{e}`" for e in (*s.env_aliases, s.env)], f"; {'/'.join(backends)} backend")
     return lines

@@ -7,7 +7,9 @@ new rows and reads the blocks all of them begin with (a shared prompt prefix) on
 in another (no gather of a cached prefix, no padding of short chunks to long ones).
 Without the kernels, pure torch: a gather of the blocks plus SDPA, prompt chunks padded to the longest chunk of
 their bucket (chunks are bucketed by length so that a 544-token prompt does not pad thirty 32-token ones).
-Query heads that share a KV head are folded into rows, so no head repeat is materialized."""
+Query heads that share a KV head are folded into rows, so no head repeat is materialized.
+Under batch invariance every token, of a prompt chunk or a decode, is a row of the decode kernel, which attends to
+its own context length: a token's sums then run in one order whether it came alone, in a chunk, or beside others."""
 
 from __future__ import annotations
 
@@ -96,13 +98,17 @@ class PrefillGroup:
 class PagedAttentionMetadata:
     """Per-step index tensors shared by all layers (built once per step from the Batch)."""
 
-    def __init__(self, batch: Batch, kv_caches: list[tuple], kernels=None) -> None:
+    def __init__(self, batch: Batch, kv_caches: list[tuple], kernels=None, batch_invariant: bool = False) -> None:
         self.kv_caches = kv_caches
         self.kernels = kernels  # the C++ decode kernel module, or None for the pure torch path
         block_size = self.block_size = batch.block_size
         self.slots = torch.from_numpy(batch.slot_mapping)
         self._slot_rows: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor | None] = {}
+        self.per_token = batch_invariant and kernels is not None
+        if self.per_token:
+            self._per_token_rows(batch)
+            return
 
         num_decodes = batch.num_decodes
         self.num_decodes = num_decodes
@@ -132,6 +138,17 @@ class PagedAttentionMetadata:
                 for bucket in _length_buckets(q_lens[num_decodes:].tolist()):
                     members = torch.tensor(bucket, dtype=torch.long) + num_decodes
                     self.prefill_groups.append(PrefillGroup(members, q_start, q_lens, past, table, block_size))
+
+    def _per_token_rows(self, batch: Batch) -> None:
+        """Each token as a decode-kernel row: its sequence's block table and its own context length."""
+        q_start = torch.from_numpy(batch.query_start_loc).long()
+        q_lens = q_start[1:] - q_start[:-1]
+        seq = torch.repeat_interleave(torch.arange(batch.num_seqs), q_lens)
+        offset = torch.arange(int(q_start[-1])) - q_start[seq]
+        self.token_lens = (torch.from_numpy(batch.num_computed).long()[seq] + offset + 1).contiguous()
+        width = cdiv(int(self.token_lens.max()), self.block_size)
+        self.token_table = torch.from_numpy(batch.block_table).long()[seq, :width].contiguous()
+        self.num_decodes = self.num_prefills = 0
 
     def slot_rows(self, heads: int) -> torch.Tensor:
         """Where this step's keys and values go in every layer's cache (see kv_cache.slot_rows)."""
@@ -175,7 +192,7 @@ def attend(layer_idx: int, query: torch.Tensor, new_keys: torch.Tensor, new_valu
     # With the C++ kernels, plain caches are written by them: the decodes' rows by the decode kernel (the block read
     # that follows pays for those cache lines once), the prompt tokens' by one pass; the rest by a torch row copy.
     kernel_writes = kernels is not None and key_cache.kernel_writes
-    first = num_decodes if kernel_writes else 0
+    first = num_decodes if kernel_writes and not metadata.per_token else 0
     if first < num_tokens and kernel_writes:
         kernels.store_kv_rows(key_cache=key_cache.data, value_cache=value_cache.data, keys=new_keys[first:],
                               values=new_values[first:], slots=metadata.slots[first:])
@@ -188,6 +205,11 @@ def attend(layer_idx: int, query: torch.Tensor, new_keys: torch.Tensor, new_valu
     scale = dim ** -0.5 if scaling is None else scaling
     if kernels is not None:
         caches = kv_cache.kernel_arguments(key_cache, value_cache)
+    if metadata.per_token:
+        kernels.paged_decode_attention(out=out, query=query, **caches, block_table=metadata.token_table,
+                                       seq_lens=metadata.token_lens, scale=scale, window=window or -1,
+                                       shared_blocks=0)
+        return out
     if num_decodes and kernels is not None:
         new_rows = dict(new_keys=new_keys[:num_decodes], new_values=new_values[:num_decodes],
                         slots=metadata.decode_slots) if kernel_writes else {}

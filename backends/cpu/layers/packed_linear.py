@@ -12,9 +12,11 @@ dtype's rounding, not bit for bit.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.backends.common import cpu_features
 from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, quantized_weight
+from pagedllm.errors import ConfigError
 from pagedllm.utils import cdiv
 
 # oneDNN picks its blocking for this many rows; decode batches are where the packing pays.
@@ -28,23 +30,41 @@ MAX_BRGEMM_IN_FEATURES = 2048
 # Set to True on a SwiGLU's concatenated gate and up projection (gate's columns first): its brgemm form returns
 # silu(gate) * up instead, and has fuses_silu_and_mul = True.
 SWIGLU_GATE_UP = "swiglu_gate_up"
+# Under batch invariance oneDNN's matmul gets rows in multiples of this: one row takes its matrix-vector path, which
+# sums in another order than its GEMM; from 4 rows up a row's sums do not depend on the rows beside it (the
+# batch-invariance tests check this on every ISA kind they run on).
+INVARIANT_ROW_MULTIPLE = 4
+
+
+def padded_rows(x: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """x as [rows, in_features] with zero rows appended up to a multiple of ``multiple``, and the real row count."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    pad = -m % multiple
+    return (F.pad(rows, (0, 0, 0, pad)) if pad else rows), m
 
 
 class PackedLinear(torch.nn.Module):
-    """nn.Linear's forward over a oneDNN-packed weight (input and weight in the same dtype)."""
+    """nn.Linear's forward over a oneDNN-packed weight (input and weight in the same dtype). With ``row_multiple``
+    the rows are padded to a multiple of it (batch invariance)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, row_multiple: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.row_multiple = row_multiple
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # oneDNN takes the leading dimensions as rows itself: one op call, no reshape around it.
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.row_multiple == 1:  # oneDNN takes the leading dimensions as rows itself: one op call, no reshape
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows, m = padded_rows(x, self.row_multiple)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return out[:m].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (f", rows padded to a multiple of {self.row_multiple}" if self.row_multiple > 1 else ""))
 
 
 class BrgemmLinear(torch.nn.Module):
@@ -97,11 +117,11 @@ def _alternating(gate_up: torch.Tensor, width: int, block: int = BLOCK_COLUMNS) 
     return torch.stack(halves, dim=1).reshape(2 * blocks * block, *gate_up.shape[1:])
 
 
-def can_brgemm(linear: torch.nn.Linear, kernels) -> bool:
-    """bf16 weights of an even input width (brgemm takes pairs of bf16) up to MAX_BRGEMM_IN_FEATURES, with kernels
-    built for AVX512_BF16."""
+def can_brgemm(linear: torch.nn.Linear, kernels, any_width: bool = False) -> bool:
+    """bf16 weights of an even input width (brgemm takes pairs of bf16) up to MAX_BRGEMM_IN_FEATURES (any width
+    with ``any_width``), with kernels built for AVX512_BF16."""
     return (kernels is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0
-            and linear.in_features <= MAX_BRGEMM_IN_FEATURES and kernels.linear_bf16_available())
+            and (any_width or linear.in_features <= MAX_BRGEMM_IN_FEATURES) and kernels.linear_bf16_available())
 
 
 def can_pack(dtype: torch.dtype = torch.float32) -> bool:
@@ -124,11 +144,13 @@ def float32_logits(model: torch.nn.Module) -> bool:
     return True
 
 
-def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
+def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bool = False) -> dict[str, int]:
     """Swap every plain nn.Linear of the model for a QuantizedLinear where it carries a quantized weight, a
     BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul for a SwiGLU's gate and up, marked with
     SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype here; returns how many of each
-    ("quantized", "brgemm", "brgemm+silu", "oneDNN")."""
+    ("quantized", "brgemm", "brgemm+silu", "oneDNN"). ``batch_invariant`` picks, for each, the form whose sums for
+    a row do not depend on how many rows come with it: brgemm at any width (its tiles sum every row alike), oneDNN
+    with padded rows, the quantized kernel at any row count."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
     counts = {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
@@ -136,13 +158,24 @@ def use_packed_linears(model: torch.nn.Module, kernels=None) -> dict[str, int]:
         linear = model.get_submodule(name)
         if (weight := quantized_weight(linear)) is not None:
             int8 = linear.weight.dtype == torch.bfloat16  # bf16 models take int8 dot products, float32 exact ones
-            model.set_submodule(name, QuantizedLinear(weight, linear.bias, kernels, int8))
+            model.set_submodule(name, QuantizedLinear(weight, linear.bias, kernels, int8,
+                                                      kernel_only=batch_invariant))
             counts["quantized"] += 1
-        elif can_brgemm(linear, kernels):
+        elif can_brgemm(linear, kernels, any_width=batch_invariant):
             fused = getattr(linear, SWIGLU_GATE_UP, False)
             model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
             counts["brgemm+silu" if fused else "brgemm"] += 1
         elif linear.weight.dtype in dtypes:
-            model.set_submodule(name, PackedLinear(linear))
+            model.set_submodule(name, PackedLinear(linear, INVARIANT_ROW_MULTIPLE if batch_invariant else 1))
             counts["oneDNN"] += 1
     return counts
+
+
+def check_batch_invariant(model: torch.nn.Module) -> None:
+    """Refuse a model that still has a plain nn.Linear (bf16 on a CPU without AVX-512: neither oneDNN nor brgemm
+    takes it), whose sums in torch's fallback GEMM depend on the batch."""
+    plain = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    if plain:
+        raise ConfigError(f"--batch-invariant: {len(plain)} linear layers ({plain[0]}, ...) have no batch-invariant "
+                          f"kernel here ({str(model.dtype).removeprefix('torch.')} without AVX-512); run --dtype "
+                          f"float32")

@@ -34,9 +34,11 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
 class QuantizedLinear(torch.nn.Module):
     """nn.Linear's forward over a QuantizedWeight. ``int8_activations`` (bf16 models) quantizes the rows to int8 per
     32 inputs for integer dot products; otherwise each weight is dequantized to float32 in the kernel (the exact
-    path, for float32 models). With ``float_output`` it returns float32 (the LM head)."""
+    path, for float32 models). With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
+    row count on the quantized kernel (batch invariance: the dense GEMM sums in another order)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels, int8_activations: bool) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels, int8_activations: bool,
+                 kernel_only: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group, self.format = weight.bits, weight.group, weight.format
@@ -46,10 +48,11 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.int8_activations = int8_activations
         self.float_output = False
+        self.kernel_only = kernel_only
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= SMALL_ROWS * self.in_features:
+        if self.kernel_only or x.numel() <= SMALL_ROWS * self.in_features:
             return self._kernels.quantized_linear(x, self.values, self.scales, self.offsets, self.bits, self.group,
                                                   self.bias, self.float_output, self.int8_activations)
         dense = self._kernels.dequantize_weight(self.values, self.scales, self.offsets, self.bits, self.group,

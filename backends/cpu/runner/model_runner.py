@@ -15,7 +15,7 @@ from pagedllm.backend import ModelInfo
 from pagedllm.backends.common.memory import blocks_to_commit
 from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
-from pagedllm.backends.cpu.layers.packed_linear import float32_logits, use_packed_linears
+from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
@@ -25,6 +25,7 @@ from pagedllm.backends.cpu.runner.quantization import quantize_linears
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.batch import Batch
+from pagedllm.errors import ConfigError
 
 logger = logging.getLogger("pagedllm.cpu")
 LINEAR_KINDS = {"quantized": "on quantized weights",
@@ -43,10 +44,12 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
-                 rank: Rank | None = None, quantization: str = "none", gguf_file: str | None = None) -> None:
+                 rank: Rank | None = None, quantization: str = "none", gguf_file: str | None = None,
+                 batch_invariant: bool = False) -> None:
         self.model_dir = model_dir
         self.quantization = quantization  # resolved: "none", "gguf", "q8_0", "q4_0" or "int8"
         self.gguf_file = gguf_file
+        self.batch_invariant = batch_invariant
         self.dtype = dtype
         self.residual_dtype = residual_dtype or dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
@@ -60,6 +63,9 @@ class ModelRunner:
     def load(self) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if self.batch_invariant and self.kernels is None:
+            raise ConfigError("--batch-invariant needs the C++ kernels (its attention and linear layers sum in one "
+                              "order whatever the batch), and they are not in use here")
         config = AutoConfig.from_pretrained(self.model_dir)
         model_type = check_supported(config)
         if self.rank is not None:
@@ -79,7 +85,7 @@ class ModelRunner:
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
-        packed = use_packed_linears(self.model, self.kernels)
+        packed = use_packed_linears(self.model, self.kernels, self.batch_invariant)
         head_in_float32 = float32_logits(self.model)
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                        if count) or "nn.Linear",
@@ -87,6 +93,10 @@ class ModelRunner:
                     f"; quantized ones {QUANTIZED_DOTS[self.dtype == torch.bfloat16]}" if packed["quantized"] else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
+        if self.batch_invariant:
+            check_batch_invariant(self.model)
+            logger.info("batch-invariant: every linear layer sums a row in one order whatever the rows beside it, "
+                        "and every token attends through the one-row kernel")
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
                     *fused)
         logger.info(weights_on_huge_pages(self.model))
@@ -124,7 +134,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         self.binder.ensure_bound()
-        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels)
+        metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels, self.batch_invariant)
         out = self.model(
             input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
             position_ids=torch.from_numpy(batch.positions).unsqueeze(0),

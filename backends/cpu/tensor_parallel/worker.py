@@ -78,7 +78,8 @@ class Worker:
         binder.ensure_bound()  # loading and packing already run on this rank's CPUs
         self.runner = ModelRunner(m["model_dir"], DTYPES[m["dtype"]], m["cache_kind"], DTYPES[m["cache_dtype"]],
                                   binder, kernels, DTYPES[m["residual_dtype"]], Rank(self.rank, self.world_size),
-                                  quantization=m["quantization"], gguf_file=m["gguf_file"])
+                                  quantization=m["quantization"], gguf_file=m["gguf_file"],
+                                  batch_invariant=m["batch_invariant"])
         info = self.runner.load()
         report = {"rank": self.rank, "host": socket.gethostname(), "threads": self.plan.describe(),
                   "shard_bytes": parameter_bytes(self.runner.model), "kv_heads": self.runner.local_kv_heads,
