@@ -105,8 +105,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(a request's priority, lower first, then arrival; the most recent of the lowest priority is preempted "
             "first), as vLLM's", ("fcfs", "priority")),
     Setting("speculative_config", str, None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
-            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (off in steps with "
-            "more than disable_by_batch_size, default 4, requests running)", shown_default="off"),
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or a draft model of "
+            "the same tokenizer: {\"model\": PATH, \"num_speculative_tokens\": 4} (off in steps with more than "
+            "disable_by_batch_size, default 4, requests running)", shown_default="off"),
     Setting("batch_invariant", bool, False, "a request's logits are bitwise the same alone, in any batch, chunked or "
             "not, cached or not, speculated or not (kernels that sum in one order whatever the batch; see "
             "docs/precision.md for what it costs)", env_aliases=("VLLM_BATCH_INVARIANT",)),

@@ -71,6 +71,7 @@ class Request:
         self.bad_word_ids: list[list[int]] = []  # params.bad_words as token ids, set by the engine
         self.num_proposed = 0  # speculative decoding: this request's proposed tokens, and of them accepted
         self.num_accepted = 0
+        self.num_draft_computed = 0  # positions whose draft-model KV is in the cache (engine.draft_model)
 
     @property
     def num_tokens(self) -> int:

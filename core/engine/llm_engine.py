@@ -22,6 +22,7 @@ from pagedllm.batch import Batch
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.engine.arg_utils import setting_owners
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.draft_model import DraftModel, draft_config
 from pagedllm.engine.input_processing import PromptType, tokenize_prompt
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import BackendDeadError, InvalidRequestError, QueueFullError, client_message
@@ -47,9 +48,10 @@ GiB = 1 << 30
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, backend: Backend, model_info: ModelInfo, source: ModelSource,
-                 tokenizer, num_blocks: int) -> None:
+                 tokenizer, num_blocks: int, draft: DraftModel | None = None) -> None:
         self.config = config
         self.backend = backend
+        self.draft = draft
         self.model_info = model_info
         self.source = source
         self.tokenizer = tokenizer
@@ -86,29 +88,39 @@ class LLMEngine:
                          setting_owners=setting_owners())
         config.backend = backend_name
         config.serving = serving
-        SpeculativeConfig.parse(config.speculative_config)  # a bad one is refused before the model loads
+        speculative = SpeculativeConfig.parse(config.speculative_config)  # a bad one is refused before loading
+        if speculative is not None and speculative.model is not None:
+            draft_config(config, speculative)  # the same: what a draft model cannot run with
         source = resolve_model(config.model, config.revision, config.download_dir, config.tokenizer,
                                config.trust_remote_code)
         tokenizer = load_tokenizer(source)
         backend = backend_cls(config, source)
+        draft = None
         try:
             info = backend.load_model()
             config.finalize(info.max_model_len, backend_cls.default_block_size)
             backend.check_block_size(config.block_size)
-            num_blocks = num_kv_blocks(config, backend.kv_cache_bytes_per_block(), backend.kv_caches_on_this_host())
-            backend.allocate_kv_cache(num_blocks)
-            _warm_up(backend, config.block_size,
-                     min(WARM_UP_TOKENS, config.max_model_len, num_blocks * config.block_size))
+            if speculative is not None and speculative.model is not None:
+                draft = DraftModel.load(backend_cls, config, speculative, tokenizer, info.vocab_size)
+            backends = [backend] + ([draft.backend] if draft else [])  # the draft's cache has the target's blocks
+            num_blocks = num_kv_blocks(config, sum(b.kv_cache_bytes_per_block() for b in backends),
+                                       backend.kv_caches_on_this_host())
+            warm_up_tokens = min(WARM_UP_TOKENS, config.max_model_len, num_blocks * config.block_size)
+            for b in backends:
+                b.allocate_kv_cache(num_blocks)
+                _warm_up(b, config.block_size, warm_up_tokens)
         except BaseException:
             backend.shutdown()
+            if draft is not None:
+                draft.backend.shutdown()
             raise
-        engine = cls(config, backend, info, source, tokenizer, num_blocks)
+        engine = cls(config, backend, info, source, tokenizer, num_blocks, draft)
         engine._log_start(time.time() - start)
         return engine
 
     def _log_start(self, seconds: float) -> None:
         c, m = self.config, self.model_info
-        gib = self.num_blocks * self.backend.kv_cache_bytes_per_block() / GiB
+        gib = self.num_blocks * self.kv_cache_bytes_per_block() / GiB
         src = c.sources.get("kv_cache_space", "default")
         logger.info("model %s (%s, %s) from %s", self.source.name, m.architecture, self.source.kind, self.source.path)
         logger.info("backend %s: dtype %s; %s", c.backend, m.dtype, self.backend.describe() or "-")
@@ -118,8 +130,12 @@ class LLMEngine:
                     "prefix caching %s; ready in %.1f s", c.max_model_len, c.max_num_seqs,
                     c.max_num_batched_tokens, "on" if c.enable_chunked_prefill else "off",
                     "on" if c.enable_prefix_caching else "off", seconds)
-        if self.speculative is not None:
-            s = self.speculative
+        s = self.speculative
+        if s is not None and s.model is not None:
+            logger.info("speculative decoding: draft model %s proposes up to %d tokens per step, in steps of at most "
+                        "%d running requests; its KV cache shares the blocks above", s.model, s.num_speculative_tokens,
+                        s.disable_by_batch_size)
+        elif s is not None:
             logger.info("speculative decoding: n-gram prompt lookup of %d-%d tokens, up to %d proposed per step, in "
                         "steps of at most %d running requests", s.prompt_lookup_min,
                         s.prompt_lookup_max, s.num_speculative_tokens, s.disable_by_batch_size)
@@ -329,7 +345,14 @@ class LLMEngine:
         """Free the batch rows of requests that ended, now rather than at the next step: there may be none."""
         self.batch_builder.release(self.scheduler.take_released())
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """What a block costs: the target's keys and values, and a draft model's if one proposes."""
+        draft = self.draft.backend.kv_cache_bytes_per_block() if self.draft is not None else 0
+        return self.backend.kv_cache_bytes_per_block() + draft
+
     def _run_step(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        if self.draft is not None:
+            self.draft.propose(sched)
         batch, order, rows = self.batch_builder.build(sched)
         logits = torch.as_tensor(self.backend.execute(batch))
         self.scheduler.update_after_step(sched)
@@ -553,10 +576,14 @@ class LLMEngine:
     def release_thread(self) -> None:
         """The calling thread is done stepping for now; the backend undoes its per-thread settings."""
         self.backend.release_thread()
+        if self.draft is not None:
+            self.draft.backend.release_thread()
 
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
         self.backend.shutdown()
+        if self.draft is not None:
+            self.draft.backend.shutdown()
 
 
 def step_error_message(exc: Exception) -> str:

@@ -139,6 +139,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_draft_computed = 0  # its blocks go to others: a draft model's KV in them is gone too
         self.num_preemptions += 1
         if self.by_priority:
             self._queue(request)
@@ -263,6 +264,8 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if self.max_model_len is not None:
             limit = min(limit, self.max_model_len - request.num_tokens - 1)
+        if self.speculative.model is not None:  # slots the draft model fills before the step
+            return [0] * max(limit, 0)
         proposals = self.speculative.propose(request.all_token_ids, limit)
         if proposals and request.grammar is not None:  # what the grammar would refuse is not worth verifying
             proposals = request.grammar.allowed_prefix(proposals)

@@ -1,4 +1,5 @@
-"""Speculative decoding's proposals: vLLM's ``--speculative-config`` and the n-gram (prompt lookup) proposer.
+"""Speculative decoding's proposals: vLLM's ``--speculative-config`` and the n-gram (prompt lookup) proposer (a
+draft model's proposals come from ``engine.draft_model``).
 
 A request that decodes alone (or in a small batch) is bound by reading the weights once per token; verifying k
 proposed tokens in the same forward pass reads them once for up to k + 1 tokens. The n-gram proposer looks for the
@@ -16,7 +17,7 @@ import numpy as np
 from pagedllm.errors import ConfigError
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-         "model"}
+         "model", "quantization", "draft_tensor_parallel_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +26,13 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int  # no proposals in a step with more running requests than this
+    model: str | None = None  # a draft model (its path or Hub id) proposes, not the n-gram lookup
+    quantization: str | None = None  # the draft's
 
     @classmethod
     def parse(cls, text: str | dict | None) -> "SpeculativeConfig | None":
         """vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2}``. A draft model (``"model"``) is refused: not built yet."""
+        "prompt_lookup_min": 2}``, or ``{"model": PATH, "num_speculative_tokens": 4}`` for a draft model."""
         if text is None or text == "":
             return None
         try:
@@ -42,9 +45,20 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - _KEYS)
         if unknown:
             raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}")
-        if spec.get("model") is not None or spec.get("method", "ngram") not in ("ngram", "[ngram]"):
-            raise ConfigError("--speculative-config: only the n-gram (prompt lookup) method is supported; draft "
-                              "models are not yet")
+        model = spec.get("model")
+        method = spec.get("method", "ngram" if model is None else "draft_model")
+        if method not in ("ngram", "[ngram]", "draft_model"):
+            raise ConfigError(f"--speculative-config: method {method!r} is not supported; use \"ngram\" (prompt "
+                              f"lookup) or a draft model (\"model\": its path or Hub id)")
+        if (method == "draft_model") != (model is not None):
+            raise ConfigError("--speculative-config: a draft model needs \"model\", and the n-gram method takes none")
+        if model is not None and not isinstance(model, str):
+            raise ConfigError(f"--speculative-config: model must be a path or Hub id, got {model!r}")
+        if spec.get("draft_tensor_parallel_size", 1) != 1:
+            raise ConfigError("--speculative-config: the draft model runs on one rank (draft_tensor_parallel_size 1)")
+        quantization = spec.get("quantization")
+        if quantization is not None and not isinstance(quantization, str):
+            raise ConfigError(f"--speculative-config: quantization must be a string, got {quantization!r}")
         k = spec.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -58,7 +72,7 @@ class SpeculativeConfig:
         if low > high:
             raise ConfigError(f"--speculative-config: prompt_lookup_min ({low}) is more than prompt_lookup_max "
                               f"({high})")
-        return cls(k, high, low, batch)
+        return cls(k, high, low, batch, model, quantization)
 
     def propose(self, token_ids: list[int], limit: int) -> list[int]:
         """Up to ``min(limit, num_speculative_tokens)`` tokens: what followed the latest earlier occurrence of the

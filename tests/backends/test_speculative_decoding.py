@@ -1,11 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup): greedy output equals transformers' token for token with proposals
-verified in the paged batch, alongside chunked prefill, prefix caching, preemption, n > 1 and stop strings, on both
-backends; sampled requests speculate reproducibly under a seed; most proposals are accepted where the output repeats
-its prompt (SmolLM2 asked to copy a text)."""
+"""Speculative decoding (n-gram prompt lookup and a draft model): greedy output equals transformers' token for token
+with proposals verified in the paged batch, alongside chunked prefill, prefix caching, preemption, n > 1 and stop
+strings, on both backends; sampled requests speculate reproducibly under a seed; most proposals are accepted where
+the output repeats its prompt (SmolLM2 asked to copy a text), and all where the draft is the target itself."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from openvino_support import requires_openvino
@@ -28,6 +29,8 @@ def repeating_prompts() -> list[list[int]]:
 class OracleProposer:
     """Proposes the true greedy continuation, with one token in three proposals made wrong at a random place: the
     tiny random models never repeat, so this is how every count of accepted tokens (0 to k) gets verified."""
+
+    model = None  # proposes itself, as the n-gram lookup does
 
     def __init__(self, config: SpeculativeConfig, prompts: list[list[int]], outputs: list[list[int]]) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -159,9 +162,103 @@ def test_smollm2_copying_a_text_accepts_most_proposals():
     plain.shutdown()
 
 
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama with a little noise on every weight, and its tokenizer: a draft whose proposals are right
+    about half the time, so that every count of accepted tokens (0 to k) gets verified."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("noisy-draft")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(0.005 * torch.randn(weight.shape, generator=generator))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(out)
+    return out
+
+
+def draft_spec(path: Path, k: int = 4) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("backend, block_size, blocks", [
+    pytest.param("cpu", 16, 20, marks=pytest.mark.cpu_isa),
+    pytest.param("openvino", 32, 10, marks=requires_openvino),
+])
+def test_draft_model_output_equals_transformers_with_caching_chunking_and_preemption(backend, block_size, blocks,
+                                                                                   tiny_llama, noisy_draft,
+                                                                                   monkeypatch, request):
+    """The draft's cache shares the target's blocks: preempted, prefix-cached and rejected positions leave the
+    target's output as transformers' greedy one."""
+    if backend == "openvino":
+        monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(request.getfixturevalue("openvino_export_dir")))
+    prompts = repeating_prompts()
+    expected = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    # each block holds the target's and the draft's keys and values
+    space = blocks * 2 * kv_bytes_per_block("llama", block_size=block_size) / 2**30
+    llm = LLM(str(tiny_llama), backend=backend, dtype="float32", max_model_len=256, kv_cache_space=space,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=8,
+              speculative_config=draft_spec(noisy_draft))
+    for _ in range(2):  # the second time from the prefix cache
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+    counters = llm.engine._counters
+    assert counters.proposed_tokens > counters.accepted_tokens > 0.2 * counters.proposed_tokens
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv_manager.prefix_cache.hits > 0
+    assert llm.engine.kv_manager.allocator.num_used == 0
+    llm.shutdown()
+
+
+def test_the_target_as_its_own_draft_is_accepted_beside_n_sampling_grammars_and_logprobs(tiny_llama):
+    """The verifier's check: a draft equal to the target proposes what the target then computes. Sampled,
+    constrained and n > 1 requests speculate with it and give the plain engine's output."""
+    settings = dict(dtype="float32", kv_cache_space=0.01, max_model_len=256)
+    plain = LLM(str(tiny_llama), **settings)
+    llm = LLM(str(tiny_llama), **settings, speculative_config=draft_spec(tiny_llama))
+    prompts = [{"prompt_token_ids": p} for p in repeating_prompts()]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    counters = llm.engine._counters
+    assert counters.accepted_tokens > 0.95 * counters.proposed_tokens > 0
+    regex = {"regex": "[a-z ]{10,30}\\.( [a-z ]{5,20}\\.){1,3}"}
+    for params in (SamplingParams(n=2, temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0, max_tokens=NEW_TOKENS, structured_outputs=regex)):
+        ours, theirs = (e.generate(prompts[:2], params, use_tqdm=False) for e in (llm, plain))
+        assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    proposed = counters.proposed_tokens
+    first, second = (llm.generate(prompts[0], sampled, use_tqdm=False)[0].token_ids for _ in range(2))
+    assert first == second and len(first) == NEW_TOKENS and counters.proposed_tokens > proposed
+    llm.shutdown()
+    plain.shutdown()
+
+
+def test_a_draft_model_of_another_vocabulary_or_with_tensor_parallelism_is_refused(tiny_llama, noisy_draft,
+                                                                                   tmp_path):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other-vocab"
+    tokenizer = AutoTokenizer.from_pretrained(noisy_draft)
+    tokenizer.add_tokens(["<extra>"])
+    for f in noisy_draft.iterdir():
+        if f.suffix in (".json", ".safetensors") and "token" not in f.name:
+            (other / f.name).parent.mkdir(exist_ok=True)
+            (other / f.name).write_bytes(f.read_bytes())
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ConfigError, match="must share the target's vocabulary"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, speculative_config=draft_spec(other))
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01, tensor_parallel_size=2,
+            speculative_config=draft_spec(noisy_draft))
+
+
 @pytest.mark.parametrize("spec, message", [
     ('{"method": "ngram"}', "num_speculative_tokens must be an integer"),
-    ('{"model": "some/draft", "num_speculative_tokens": 3}', "draft models are not yet"),
+    ('{"method": "ngram", "model": "some/draft", "num_speculative_tokens": 3}', "takes none"),
+    ('{"method": "eagle", "model": "some/draft", "num_speculative_tokens": 3}', "not supported"),
+    ('{"model": "some/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}', "one rank"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "typo": 1}', "unknown key"),
