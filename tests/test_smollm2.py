@@ -33,7 +33,9 @@ def llm(source):
 
 def test_default_model_is_the_smollm2_gguf(source):
     assert source.kind == "gguf" and source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert (source.hf_dir / "config.json").is_file()
+    # its config folder holds no weights; the dense copy is made for what asks for dense weights
+    assert (source.config_dir / "config.json").is_file() and not list(source.config_dir.glob("*.safetensors"))
+    assert (source.hf_dir / "config.json").is_file() and list(source.hf_dir.glob("*.safetensors"))
 
 
 def test_gguf_tokenizer_matches_the_model(llm):
@@ -76,13 +78,20 @@ def test_greedy_equals_transformers_float32(llm, prompts, expected):
     assert llm.engine.kv_manager.prefix_cache.hits > hits
 
 
-def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected):
+def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected, monkeypatch):
     """--quantization gguf: the file's Q4_1 and Q8_0 tensors kept as they are (float32 dot products over them),
-    chunked prefill in chunks of 24 tokens and prefix caching on."""
+    loaded without a dense copy of the model, chunked prefill in chunks of 24 tokens and prefix caching on."""
     from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
 
+    from pagedllm.models import source as sources
+
+    def no_dense_copy(gguf):
+        raise AssertionError(f"the dense copy of {gguf} was asked for")
+
+    monkeypatch.setattr(sources, "gguf_to_hf", no_dense_copy)  # the file's tensors load as they are
     quantized = LLM(dtype="float32", quantization="gguf", max_model_len=1024, kv_cache_space=0.5,
                     enable_prefix_caching=True, max_num_batched_tokens=24, max_num_seqs=4)
+    monkeypatch.undo()
     layers = [m for m in quantized.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
     # q/k/v and gate/up fused: 30 layers x 4 Q4_1 linears, and the head tied to the Q8_0 embedding
     assert sorted({(m.format, m.bits) for m in layers}) == [("Q4_1", 4), ("Q8_0", 8)] and len(layers) == 121

@@ -47,6 +47,26 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    """The CPU's name, family and model from /proc/cpuinfo ("AMD EPYC ..., family 26 model 2"): the ISA level alone
+    cannot tell Zen 4 from Zen 5, whose speeds differ by 2x, so logs and benchmark results name the model."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = fields.get("model name", platform.machine())
+    if "cpu family" in fields:
+        return f"{name}, family {fields['cpu family']} model {fields.get('model', '?')}"
+    return name
+
+
 def detected_level(flags: frozenset[str] | None = None) -> str:
     """The highest level whose flags this CPU (or ``flags``) has, every lower level's included."""
     flags = cpu_flags() if flags is None else flags
@@ -99,7 +119,7 @@ def describe() -> str:
     """One line for logs and test headers: the CPU's level, what PAGEDLLM_CPU_ISA asked, what kernels use."""
     flags = cpu_flags()
     have = ", ".join(f"{name} {'yes' if set(_ADDS[name]) <= flags else 'no'}" for name in LEVELS[1:])
-    line = f"ISA level {detected_level()} ({have})"
+    line = f"{cpu_model()}: ISA level {detected_level()} ({have})"
     asked = requested_level()
     if asked is not None:
         line += f"; {ENV}={asked}: kernels {kernel_level()}, --dtype auto as {dtype_level()}"

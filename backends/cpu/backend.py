@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends.common import cpu_features
 from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
-from pagedllm.backends.common.quantization import QUANTIZATION
+from pagedllm.backends.common.quantization import INT8_ACTIVATIONS, QUANTIZATION
 from pagedllm.backends.cpu.tensor_parallel.launch import (
     DISTRIBUTED_INIT_METHOD,
     NNODES,
@@ -83,7 +83,7 @@ class CPUBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (QUANTIZATION, THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES,
+    settings = (QUANTIZATION, INT8_ACTIVATIONS, THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES,
                 NODE_RANK)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
@@ -101,7 +101,12 @@ class CPUBackend(Backend):
             self.thread_plan = self.rank_plans[0]
         else:
             self.thread_plan = plan_threads(options["cpu_omp_threads_bind"], reserve_for_server=config.serving)
-        self.quantization = _quantization(options["quantization"], model.kind)
+        from pagedllm.backends.cpu.runner.kernels import attention_mode
+
+        bf16_kernels = (_name(self.dtype) == "bfloat16" and attention_mode() != "torch"
+                        and cpu_features.rank(cpu_features.kernel_level()) >= cpu_features.rank("avx512_bf16"))
+        self.quantization = _quantization(options["quantization"], model.kind, bf16_kernels)
+        self.int8_activations = options["int8_activations"] or self.quantization == "int8"
         self.runner: ModelRunner | TensorParallelExecutor | None = None
 
     def load_model(self) -> ModelInfo:
@@ -112,7 +117,7 @@ class CPUBackend(Backend):
         from pagedllm.backends.cpu.runner.model_runner import ModelRunner
         from pagedllm.backends.cpu.runner.threads import ThreadBinder
 
-        if self.model.hf_dir is None:
+        if self.model.config_dir is None:
             raise ConfigError(
                 f"{self.model.path} is an OpenVINO export; run it with --backend openvino, or give the cpu "
                 f"backend a Hugging Face folder or a GGUF file")
@@ -127,10 +132,14 @@ class CPUBackend(Backend):
         logger.info("%s", keep_freed_memory())
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
-        self.runner = ModelRunner(str(self.model.hf_dir), self.dtype, self.cache_kind, self.cache_dtype,
+        if kernels is None and self.quantization != "none" and self.config.backend_options["quantization"] == "auto":
+            logger.warning("the C++ kernels are not in use, and quantized weights need them: running dense weights")
+            self.quantization = "none"
+        self.runner = ModelRunner(self._model_dir(), self.dtype, self.cache_kind, self.cache_dtype,
                                   ThreadBinder(self.thread_plan, kernels), kernels, residual,
                                   quantization=self.quantization, gguf_file=self._gguf_file(),
-                                  batch_invariant=self.config.batch_invariant)
+                                  batch_invariant=self.config.batch_invariant,
+                                  int8_activations=self.int8_activations)
         return self.runner.load()
 
     def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
@@ -141,10 +150,11 @@ class CPUBackend(Backend):
         for plan in self.rank_plans:
             for warning in plan.warnings:
                 logger.warning("%s", warning)
-        model = {"model_dir": str(self.model.hf_dir), "dtype": _name(self.dtype), "cache_kind": self.cache_kind,
+        model = {"model_dir": self._model_dir(), "dtype": _name(self.dtype), "cache_kind": self.cache_kind,
                  "cache_dtype": _name(self.cache_dtype), "residual_dtype": _name(residual),
                  "attention_mode": attention_mode(), "quantization": self.quantization,
-                 "gguf_file": self._gguf_file(), "batch_invariant": self.config.batch_invariant}
+                 "gguf_file": self._gguf_file(), "batch_invariant": self.config.batch_invariant,
+                 "int8_activations": self.int8_activations}
         # a step's logits rows: one per sequence, more with prompt logprobs or proposals to verify (each a token of
         # the step's budget, 2048 unless set; the buffer is paged in as it is used)
         max_rows = max(self.config.max_num_seqs, self.config.max_num_batched_tokens or 2048)
@@ -153,6 +163,11 @@ class CPUBackend(Backend):
         info = self.runner.load()
         self.attention_path = self.runner.ranks[0]["attention"]
         return info
+
+    def _model_dir(self) -> str:
+        """The folder the runner loads: a GGUF file's config folder when its quantized tensors run (the weights come
+        from the file), else a folder with dense weights."""
+        return str(self.model.config_dir if self.quantization == "gguf" else self.model.hf_dir)
 
     def _gguf_file(self) -> str | None:
         return str(self.model.path) if self.model.kind == "gguf" else None
@@ -201,12 +216,13 @@ class CPUBackend(Backend):
         self.runner = None
 
 
-def _quantization(requested: str, model_kind: str) -> str:
-    """--quantization resolved for the cpu backend (see runner/quantization.py): auto is none (dense weights) until
-    batches above quantized_linear.SMALL_ROWS rows run as fast on quantized weights as on dense ones (see
-    docs/quantization.md); int4 is q4_0."""
+def _quantization(requested: str, model_kind: str, bf16_kernels: bool) -> str:
+    """--quantization resolved for the cpu backend (see runner/quantization.py). auto runs a GGUF file's quantized
+    tensors as they are where the bf16 quantized kernels run (a bf16 model on AVX512_BF16): there batches of any
+    size are about as fast as on dense weights. Elsewhere (float32) batches above quantized_linear.SMALL_ROWS rows
+    dequantize whole weights, so auto keeps dense weights (see docs/quantization.md). int4 is q4_0."""
     if requested == "auto":
-        return "none"
+        return "gguf" if model_kind == "gguf" and bf16_kernels else "none"
     if requested == "gguf" and model_kind != "gguf":
         raise ConfigError("--quantization gguf keeps a GGUF file's quantized tensors, and this model is a Hugging "
                           "Face folder: use --quantization q8_0, q4_0 or int8 to quantize it at load")

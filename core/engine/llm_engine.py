@@ -629,7 +629,7 @@ def _eos_token_ids(tokenizer, source: ModelSource) -> frozenset[int]:
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    folder = source.hf_dir or source.tokenizer_dir
+    folder = source.config_dir or source.tokenizer_dir
     try:
         from transformers import GenerationConfig
 

@@ -21,7 +21,7 @@ def generation_defaults(source: ModelSource, setting: str = "auto") -> dict:
     """SamplingParams field -> default, for the fields the config sets; empty for ``vllm``."""
     if setting == "vllm":
         return {}
-    folder = Path(setting) if setting != "auto" else (source.hf_dir or source.tokenizer_dir)
+    folder = Path(setting) if setting != "auto" else (source.config_dir or source.tokenizer_dir)
     path = folder / "generation_config.json"
     if setting != "auto" and not path.is_file():
         raise ConfigError(f"--generation-config {setting!r}: no generation_config.json there")

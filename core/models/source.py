@@ -2,8 +2,10 @@
 by Hub id (``org/name``, ``org/name:file.gguf`` for one GGUF file of a repository), fetched with huggingface_hub
 into its cache (``HF_HOME``, ``HF_TOKEN``, ``HF_HUB_OFFLINE`` apply) or found there.
 
-A GGUF file is converted once into a Hugging Face folder under the cache directory (weights
-dequantized to float32, a correct tokenizer, a generation config); later starts reuse it.
+A GGUF file gets a Hugging Face folder of its metadata under the cache directory once (config, a correct
+tokenizer, a generation config; no weights), so that its quantized tensors can run as they are. Its dense copy
+(weights dequantized to float32) is converted only when something asks for dense weights (``hf_dir``: the openvino
+backend, ``--quantization none``); later starts reuse both.
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ class ModelSource:
     name: str  # what to call the model (served model name, logs)
     kind: str  # "hf" | "gguf" | "openvino"
     path: Path  # as given: folder or file
-    hf_dir: Path | None  # Hugging Face folder with config and weights (for GGUF: the converted copy)
+    config_dir: Path | None  # a Hugging Face folder with config.json (for GGUF: made from its metadata, no weights)
     tokenizer_dir: Path
     trust_remote_code: bool = False  # transformers may run code the model's folder ships
+
+    @property
+    def hf_dir(self) -> Path | None:
+        """A Hugging Face folder with dense weights: the model's own, a GGUF file's dequantized copy (converted on
+        first use: it holds the model in float32), or None for an OpenVINO export."""
+        return gguf_to_hf(self.path) if self.kind == "gguf" else self.config_dir
 
 
 def cache_dir() -> Path:
@@ -150,7 +158,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _converted(gguf: Path) -> tuple[Path, Path]:
-    out = gguf_to_hf(gguf)
+    out = gguf_metadata_folder(gguf)
     return out, out
 
 
@@ -162,41 +170,75 @@ def _cache_key(gguf: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def gguf_to_hf(gguf: Path) -> Path:
-    """The converted Hugging Face folder for ``gguf``, converting it on first use."""
-    out = cache_dir() / "gguf" / f"{gguf.stem}-{_cache_key(gguf)}"
-    if (out / "pagedllm-converted.json").is_file():
-        logger.info("using the converted copy of %s in %s", gguf.name, out)
-        return out
-    logger.info("converting %s to a Hugging Face folder once (later starts reuse %s)", gguf.name, out)
-    start = time.time()
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def _tokenizer_and_config(gguf: Path):
+    """The file's tokenizer and config, its special tokens authoritative (transformers may get them wrong, see
+    gguf_tokenizer), and a generation config of its special tokens."""
+    from transformers import AutoConfig, GenerationConfig
 
     from pagedllm.models.gguf_tokenizer import tokenizer_from_gguf
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = tokenizer_from_gguf(gguf)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The GGUF's special tokens are authoritative (transformers may get them wrong, see gguf_tokenizer).
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, attr)
         if value is not None:
-            setattr(model.config, attr, value)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+            setattr(config, attr, value)
+    generation = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    return tokenizer, config, generation
+
+
+def _build_folder(out: Path, gguf: Path, what: str, write) -> Path:
+    """``out`` made by ``write(tmp)`` in a temporary folder renamed into place (a crash leaves no half folder a
+    later start trusts), unless it is there already."""
+    if (out / "pagedllm-converted.json").is_file():
+        return out
+    logger.info("making %s of %s once (later starts reuse %s)", what, gguf.name, out)
+    start = time.time()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
     (tmp / "pagedllm-converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - start}))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(out)
-    except OSError:  # another process converted it meanwhile
+    except OSError:  # another process made it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf.name, time.time() - start)
+    logger.info("made %s of %s in %.1f s", what, gguf.name, time.time() - start)
     return out
+
+
+def gguf_metadata_folder(gguf: Path) -> Path:
+    """A Hugging Face folder of ``gguf``'s config, tokenizer and generation config, without weights (made on first
+    use, in seconds): what the quantized tensors run with."""
+
+    def write(tmp: Path) -> None:
+        tokenizer, config, generation = _tokenizer_and_config(gguf)
+        config.save_pretrained(tmp)
+        generation.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _build_folder(cache_dir() / "gguf" / f"{gguf.stem}-{_cache_key(gguf)}-config", gguf, "a config folder",
+                         write)
+
+
+def gguf_to_hf(gguf: Path) -> Path:
+    """The dense Hugging Face folder of ``gguf`` (weights dequantized to float32), converting it on first use."""
+
+    def write(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        tokenizer, config, generation = _tokenizer_and_config(gguf)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(model.config, attr, getattr(config, attr))
+        model.generation_config = generation
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _build_folder(cache_dir() / "gguf" / f"{gguf.stem}-{_cache_key(gguf)}", gguf,
+                         "a dense (float32) Hugging Face folder", write)
 
 
 def load_tokenizer(source: ModelSource):

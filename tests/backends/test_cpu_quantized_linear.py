@@ -126,6 +126,36 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
         torch.testing.assert_close(rounded.float(), got.to(dtype).float(), rtol=0, atol=0)
 
 
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
+def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
+    """The tiles equal the dense brgemm linear over the dequantized weight bit for bit, at any row count, and so does
+    their SwiGLU form ([gate; up] rows) the unfused product and SiLU kernel; the few-row kernel sums the same bf16
+    products in another order."""
+    if not kernels.quantized_linear_bf16_available():
+        pytest.skip("the bf16 quantized kernels need AVX512_BF16")
+    in_features = 768 if type_name.endswith("_K") else 96
+    out_features = 288  # as gate and up: two blocks of 64 columns each and 16 of a third (SiLU kernel: no tail)
+    raw = gguf_blocks(type_name, out_features, in_features, seed=1)
+    weight = qf.from_gguf(raw, type_name, out_features, in_features)
+    packed = kernels.pack_linear_weight_bf16(weight.dequantize().bfloat16())
+    bias = torch.randn(out_features)
+    args = (weight.values, weight.scales, weight.offsets, weight.bits, weight.group, bias)
+    for rows in (1, 3, 4, 5, 64, 70, 130):
+        x = torch.randn(rows, in_features).bfloat16()
+        for float_output in (False, True):
+            dense = kernels.linear_bf16(x, packed, bias, out_features, float_output)
+            assert torch.equal(kernels.quantized_linear_bf16(x, *args, float_output), dense)
+        both = kernels.quantized_linear_bf16(x, *args, False)
+        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args, out_features // 2)
+        assert torch.equal(fused, kernels.silu_and_mul(both[:, :out_features // 2], both[:, out_features // 2:]))
+        if rows <= 4:
+            exact = x.float() @ weight.dequantize().bfloat16().float().T + bias
+            torch.testing.assert_close(kernels.quantized_gemv_bf16(x, *args, True), exact, rtol=1e-5,
+                                       atol=1e-5 * exact.abs().max().item())
+            assert kernels.quantized_gemv_bf16(x, *args, False).dtype == torch.bfloat16
+
+
 def dequantized_copy(model_dir, out_dir, fmt: str):
     """The model with its linears' weights replaced by what quantization at load makes of them, dequantized
     (the head as runner/quantization.py treats it): transformers' view of the same weights."""
@@ -181,12 +211,17 @@ def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts):
     assert greedy(llm, prompts) == expected
 
 
-def test_bf16_runs_int8_dot_products_close_to_float32(tiny_llama, prompts):
-    """bf16 models take the int8 path: the first tokens agree with the float32 path's."""
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_bf16_dot_products_close_to_float32(tiny_llama, prompts, kernels, int8_activations):
+    """bf16 models keep bf16 activations (weights dequantized to bf16), or quantize them to int8 for a decode step's
+    rows when asked (and always without AVX512_BF16): the first tokens agree with the float32 path's."""
     exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="q8_0", max_model_len=256,
                        kv_cache_space=0.05), prompts, 4)
-    bf16 = LLM(str(tiny_llama), dtype="bfloat16", quantization="q8_0", max_model_len=256, kv_cache_space=0.05)
-    assert len(quantized_layers(bf16)) == 9 and all(m.int8_activations for m in quantized_layers(bf16))
+    bf16 = LLM(str(tiny_llama), dtype="bfloat16", quantization="q8_0", max_model_len=256, kv_cache_space=0.05,
+               int8_activations=int8_activations)
+    layers = quantized_layers(bf16)
+    int8 = int8_activations or not kernels.quantized_linear_bf16_available()
+    assert len(layers) == 9 and all(m.int8_activations == int8 for m in layers)
     fast = greedy(bf16, prompts, 4)
     assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
 

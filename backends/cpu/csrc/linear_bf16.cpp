@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "brgemm_tiles.h"
 #include "utils.h"
 #include "vec.h"
 
@@ -20,16 +21,9 @@
 #endif
 
 using pagedllm::cdiv;
-
-namespace {
-
-constexpr int64_t kColumns = 64;  // output columns per packed weight block
-constexpr int64_t kHalf = kColumns / 2;
-// Rows per micro-kernel call. brgemm compiles a kernel per shape, so rows come in tiles of at most this many: one
-// kernel per tile height, not per batch size.
-constexpr int64_t kRowTile = 64;
-
-}  // namespace
+using pagedllm::kColumns;
+using pagedllm::kHalf;
+using pagedllm::kRowTile;
 
 bool linear_bf16_available() { return PAGEDLLM_LINEAR_BF16; }
 
@@ -59,61 +53,7 @@ at::Tensor pack_linear_weight_bf16(const at::Tensor& weight) {
 
 #if PAGEDLLM_LINEAR_BF16
 namespace {
-
-// One call's operands: x's rows as brgemm's A ([m, k] with a row stride), the packed weight, the bias in float32,
-// and the output [..., out_features].
-struct Operands {
-  at::Tensor rows, out, bias;
-  int64_t m, k, lda;
-  const at::BFloat16* a;
-  const at::BFloat16* w;
-  const float* bias_ptr;
-  void* y;
-
-  Operands(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
-           int64_t out_features, at::ScalarType out_dtype = at::kBFloat16) {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 input and weight");
-    k = packed.size(1) * 2;
-    TORCH_CHECK(x.size(-1) == k, "input width ", x.size(-1), " does not match the weight's ", k);
-    rows = x.reshape({-1, k});
-    if (rows.stride(1) != 1) rows = rows.contiguous();
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = out_features;
-    out = x.new_empty(shape, x.options().dtype(out_dtype));
-    m = rows.size(0);
-    lda = rows.stride(0);
-    if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
-    a = rows.data_ptr<at::BFloat16>();
-    w = packed.data_ptr<at::BFloat16>();
-    bias_ptr = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    y = out.data_ptr();
-  }
-};
-
-// Calls tile(block, first row, rows, first column in the block, columns, scratch) for every work unit: (column block,
-// row tile, half of the block's columns) in that order, split evenly over the threads. A block's weights stay in cache
-// while the row tiles pass over them. A thread runs both halves of a block as one call and shares a block with the
-// next thread only at the ends of its range, so that 9 or 15 blocks still keep two threads equally busy. The scratch
-// holds two [kRowTile, kColumns] float32 tiles.
-template <typename Tile>
-void for_each_tile(int64_t blocks, int64_t m, const Tile& tile) {
-  const int64_t tiles = cdiv(m, kRowTile), units = blocks * tiles * 2;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float scratch[2 * kRowTile * kColumns];
-    for (int64_t u = begin; u < end;) {
-      const int64_t half = u % 2, r0 = (u / 2 % tiles) * kRowTile, b = u / 2 / tiles;
-      const bool both = half == 0 && u + 1 < end;
-      u += both ? 2 : 1;
-      tile(b, r0, std::min(kRowTile, m - r0), half * kHalf, both ? kColumns : kHalf, scratch);
-    }
-    at::native::cpublas::brgemm_release(true);
-  });
-}
-
-inline __mmask16 lanes_from(int64_t j, int64_t width) {
-  return j + 16 <= width ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (width - j)) - 1);
-}
-
+struct NoState {};
 }  // namespace
 #endif
 
@@ -125,26 +65,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
 #if PAGEDLLM_LINEAR_BF16
   const int64_t blocks = packed.size(0), n = out_features;
   TORCH_CHECK(blocks == cdiv(n, kColumns), "packed weight does not hold ", n, " columns");
-  const Operands op(x, packed, bias, n, float_output ? at::kFloat : at::kBFloat16);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "a bf16 packed weight is required");
+  const pagedllm::LinearOperands op(x, packed.size(1) * 2, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
   const int64_t k = op.k, lda = op.lda;
-  for_each_tile(blocks, op.m, [&](int64_t b, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* c) {
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  pagedllm::for_each_tile<NoState>(blocks, op.m, [&](NoState&, int64_t b, int64_t r0, int64_t rows, int64_t c0,
+                                                     int64_t cols, float* c) {
     const int64_t col0 = b * kColumns + c0, width = std::min(cols, n - col0);
     if (width <= 0) return;  // the zero padding of the last block
     at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, op.a + r0 * lda,
-                                op.w + b * k * kColumns + c0 * 2, c, true);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t offset = (r0 + r) * n + col0;
-      for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 lanes = lanes_from(j, width);
-        __m512 v = _mm512_load_ps(c + r * kColumns + j);
-        if (op.bias_ptr != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, op.bias_ptr + col0 + j));
-        if (float_output)
-          _mm512_mask_storeu_ps(static_cast<float*>(op.y) + offset + j, lanes, v);
-        else
-          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(op.y) + offset + j, lanes, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
+                                w + b * k * kColumns + c0 * 2, c, true);
+    char* y = static_cast<char*>(op.y) + (r0 * n + col0) * (float_output ? 4 : 2);
+    pagedllm::store_tile(c, rows, width, kColumns, op.bias_ptr == nullptr ? nullptr : op.bias_ptr + col0, y, n,
+                         float_output);
   });
   return op.out;
 #else
@@ -162,30 +96,25 @@ at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packe
   const int64_t pairs = packed.size(0) / 2;
   TORCH_CHECK(packed.size(0) % 2 == 0 && pairs == cdiv(width, kColumns),
               "packed weight does not hold gate and up blocks of ", width, " columns");
-  const Operands op(x, packed, bias, width);
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "a bf16 packed weight is required");
+  const pagedllm::LinearOperands op(x, packed.size(1) * 2, bias, width, at::kBFloat16);
   if (op.m == 0) return op.out;
   const int64_t k = op.k, lda = op.lda;
-  for_each_tile(pairs, op.m, [&](int64_t p, int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* gate) {
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  pagedllm::for_each_tile<NoState>(pairs, op.m, [&](NoState&, int64_t p, int64_t r0, int64_t rows, int64_t c0,
+                                                    int64_t cols, float* gate) {
     const int64_t col0 = p * kColumns + c0, valid = std::min(cols, width - col0);
     if (valid <= 0) return;
     float* up = gate + kRowTile * kColumns;
-    const at::BFloat16* gate_block = op.w + 2 * p * k * kColumns + c0 * 2;
+    const at::BFloat16* gate_block = w + 2 * p * k * kColumns + c0 * 2;
     const at::BFloat16* a = op.a + r0 * lda;
     at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block, gate, true);
-    at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block + k * kColumns, up, true);
+    at::native::cpublas::brgemm(rows, cols, k, lda, kColumns, kColumns, false, a, gate_block + k * kColumns, up,
+                                true);
     const float* gate_bias = op.bias_ptr == nullptr ? nullptr : op.bias_ptr + 2 * p * kColumns + c0;
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* dst = static_cast<uint16_t*>(op.y) + (r0 + r) * width + col0;
-      for (int64_t j = 0; j < valid; j += 16) {
-        pagedllm::Vec g{_mm512_load_ps(gate + r * kColumns + j)}, u{_mm512_load_ps(up + r * kColumns + j)};
-        if (gate_bias != nullptr) {
-          g = g + pagedllm::Vec::load(gate_bias + j);
-          u = u + pagedllm::Vec::load(gate_bias + kColumns + j);
-        }
-        const pagedllm::Vec v = pagedllm::silu16(g.rounded_to_bf16()) * u.rounded_to_bf16();
-        _mm256_mask_storeu_epi16(dst + j, lanes_from(j, valid), (__m256i)_mm512_cvtneps_pbh(v.v));
-      }
-    }
+    pagedllm::store_silu_and_mul_tile(gate, up, rows, valid, kColumns, gate_bias,
+                                      gate_bias == nullptr ? nullptr : gate_bias + kColumns,
+                                      static_cast<uint16_t*>(op.y) + r0 * width + col0, width);
   });
   return op.out;
 #else

@@ -22,6 +22,7 @@
 #include <memory>
 #include <vector>
 
+#include "quantized_weights.h"
 #include "utils.h"
 #include "vec.h"
 
@@ -34,33 +35,9 @@
 
 namespace {
 
-constexpr int64_t kChunk = 32;  // inputs per activation scale and per unpacked weight chunk
-constexpr int kRows = 4;        // rows dotted against one unpacked chunk
-
-struct Weights {
-  const uint8_t* values;
-  const float* scales;
-  const float* offsets;
-  int64_t bits, group, k, groups;
-
-  Weights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, int64_t bits_, int64_t group_)
-      : bits(bits_), group(group_) {
-    TORCH_CHECK(bits == 4 || bits == 8, "4-bit or 8-bit values, got ", bits);
-    TORCH_CHECK(group == 16 || group == 32, "groups of 16 or 32 inputs, got ", group);
-    TORCH_CHECK(v.dim() == 2 && v.scalar_type() == at::kByte && v.is_contiguous(), "values: contiguous uint8 [N, *]");
-    TORCH_CHECK(s.scalar_type() == at::kFloat && o.scalar_type() == at::kFloat && s.is_contiguous() &&
-                    o.is_contiguous() && s.sizes() == o.sizes() && s.size(0) == v.size(0),
-                "scales and offsets: contiguous float32 [N, groups]");
-    k = v.size(1) * 8 / bits;
-    groups = s.size(1);
-    TORCH_CHECK(k % kChunk == 0 && groups * group == k, "the input width ", k, " must be whole chunks of 32 and ",
-                "match the scales' ", groups, " groups of ", group);
-    values = v.data_ptr<uint8_t>();
-    scales = s.data_ptr<float>();
-    offsets = o.data_ptr<float>();
-  }
-  int64_t row_bytes() const { return k * bits / 8; }
-};
+using pagedllm::kChunk;
+using Weights = pagedllm::QuantizedWeights;
+constexpr int kRows = 4;  // rows dotted against one unpacked chunk
 
 // Chunk j of a column's values, one byte per input.
 inline void unpack_chunk_bytes(const Weights& w, const uint8_t* column, int64_t j, uint8_t* out) {

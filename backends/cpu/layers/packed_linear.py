@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.common import cpu_features
-from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, quantized_weight
+from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, QuantizedSiluAndMul, quantized_weight
 from pagedllm.errors import ConfigError
 from pagedllm.utils import cdiv
 
@@ -144,22 +144,25 @@ def float32_logits(model: torch.nn.Module) -> bool:
     return True
 
 
-def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bool = False) -> dict[str, int]:
+def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bool = False,
+                       int8_activations: bool = False) -> dict[str, int]:
     """Swap every plain nn.Linear of the model for a QuantizedLinear where it carries a quantized weight, a
     BrgemmLinear where the kernels can run it (a BrgemmSiluAndMul for a SwiGLU's gate and up, marked with
     SWIGLU_GATE_UP), else for a PackedLinear where oneDNN packs its dtype here; returns how many of each
     ("quantized", "brgemm", "brgemm+silu", "oneDNN"). ``batch_invariant`` picks, for each, the form whose sums for
     a row do not depend on how many rows come with it: brgemm at any width (its tiles sum every row alike), oneDNN
-    with padded rows, the quantized kernel at any row count."""
+    with padded rows, the quantized kernel at any row count. ``int8_activations``: quantized linears of a bf16
+    model take int8 dot products for a decode step's rows (see QuantizedLinear)."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
     counts = {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name in names:
         linear = model.get_submodule(name)
         if (weight := quantized_weight(linear)) is not None:
-            int8 = linear.weight.dtype == torch.bfloat16  # bf16 models take int8 dot products, float32 exact ones
-            model.set_submodule(name, QuantizedLinear(weight, linear.bias, kernels, int8,
-                                                      kernel_only=batch_invariant))
+            bf16 = linear.weight.dtype == torch.bfloat16
+            kind = QuantizedSiluAndMul if getattr(linear, SWIGLU_GATE_UP, False) else QuantizedLinear
+            model.set_submodule(name, kind(weight, linear.bias, kernels, bf16, int8_activations,
+                                           kernel_only=batch_invariant))
             counts["quantized"] += 1
         elif can_brgemm(linear, kernels, any_width=batch_invariant):
             fused = getattr(linear, SWIGLU_GATE_UP, False)

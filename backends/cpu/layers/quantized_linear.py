@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight
 
 QUANTIZED_WEIGHT = "quantized_weight"
-# Up to this many rows the quantized kernel runs; above, the dequantized weight and the dense GEMM.
+# float32 models: up to this many rows the quantized kernel runs; above, the dequantized weight and the dense GEMM.
 SMALL_ROWS = 16
+# bf16 models: up to this many rows each weight is dequantized in registers and dotted with every row (a decode
+# step's few rows); above, bf16 tiles for brgemm, whose matrix units win from about 4 rows on (see
+# benchmarks/quantized_linear.py).
+GEMV_ROWS = 4
 
 
 def quantized_weight(linear: torch.nn.Module) -> QuantizedWeight | None:
@@ -31,14 +35,22 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
     linear.weight = torch.nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"), requires_grad=False)
 
 
-class QuantizedLinear(torch.nn.Module):
-    """nn.Linear's forward over a QuantizedWeight. ``int8_activations`` (bf16 models) quantizes the rows to int8 per
-    32 inputs for integer dot products; otherwise each weight is dequantized to float32 in the kernel (the exact
-    path, for float32 models). With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
-    row count on the quantized kernel (batch invariance: the dense GEMM sums in another order)."""
+def quantized_path(model: torch.nn.Module) -> str:
+    """How the model's quantized linears take their dot products (one way for all of them)."""
+    return next(module.path for module in model.modules() if isinstance(module, QuantizedLinear))
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels, int8_activations: bool,
-                 kernel_only: bool = False) -> None:
+
+class QuantizedLinear(torch.nn.Module):
+    """nn.Linear's forward over a QuantizedWeight. bf16 models dequantize the weight to bf16 in registers for up to
+    GEMV_ROWS rows (a decode step's), to bf16 tiles for brgemm above, so their activations stay bf16 as in the
+    dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs up to GEMV_ROWS
+    rows instead and take integer dot products (as llama.cpp: faster, less precise). float32 models dequantize each
+    weight to float32 in the kernel up to SMALL_ROWS rows (the exact path), the whole weight for the dense GEMM
+    above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every row count on one
+    kernel (batch invariance: each path sums in its own order)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels, bf16: bool,
+                 int8_activations: bool = False, kernel_only: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group, self.format = weight.bits, weight.group, weight.format
@@ -46,20 +58,54 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("offsets", weight.offsets)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.int8_activations = int8_activations
+        self.bf16_kernels = bf16 and kernels.quantized_linear_bf16_available()
+        # int8 activations need a bf16 model; without the bf16 kernels they are its only quantized kernel
+        self.int8_activations = bf16 and (int8_activations or not self.bf16_kernels)
         self.float_output = False
         self.kernel_only = kernel_only
         self._kernels = kernels
 
+    @property
+    def path(self) -> str:
+        """How it takes its dot products, for the log (one of model_runner.QUANTIZED_PATHS)."""
+        if self.bf16_kernels:
+            return "int8 and bf16 tiles" if self.int8_activations else "bf16"
+        return "int8" if self.int8_activations else "float32"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_only or x.numel() <= SMALL_ROWS * self.in_features:
-            return self._kernels.quantized_linear(x, self.values, self.scales, self.offsets, self.bits, self.group,
-                                                  self.bias, self.float_output, self.int8_activations)
-        dense = self._kernels.dequantize_weight(self.values, self.scales, self.offsets, self.bits, self.group,
-                                                x.dtype == torch.bfloat16)
+        rows = x.numel() // self.in_features
+        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.bias)
+        if self.bf16_kernels:
+            if self.kernel_only or rows > GEMV_ROWS:
+                return self._kernels.quantized_linear_bf16(x, *weight, self.float_output)
+            if not self.int8_activations:
+                return self._kernels.quantized_gemv_bf16(x, *weight, self.float_output)
+        if self.kernel_only or rows <= SMALL_ROWS:
+            return self._kernels.quantized_linear(x, *weight, self.float_output, self.int8_activations)
+        dense = self._kernels.dequantize_weight(*weight[:5], x.dtype == torch.bfloat16)
         out = F.linear(x, dense, None if self.bias is None else self.bias.to(x.dtype))
         return out.float() if self.float_output else out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
-                f"bits={self.bits}, group={self.group}, int8_activations={self.int8_activations}")
+                f"bits={self.bits}, group={self.group}, path={self.path}")
+
+
+class QuantizedSiluAndMul(QuantizedLinear):
+    """A SwiGLU's quantized gate and up projections ([gate; up] rows) returning silu(gate) * up: in bf16 tiles the
+    two are combined in the GEMM's epilogue, as BrgemmSiluAndMul does over dense weights; a few rows take the
+    unfused product and the SiLU kernel."""
+
+    fuses_silu_and_mul = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.width = self.out_features // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.bf16_kernels and (self.kernel_only or rows > GEMV_ROWS):
+            return self._kernels.quantized_linear_silu_and_mul_bf16(
+                x, self.values, self.scales, self.offsets, self.bits, self.group, self.bias, self.width)
+        both = super().forward(x)
+        return self._kernels.silu_and_mul(both[..., :self.width], both[..., self.width:])

@@ -16,12 +16,14 @@ from pagedllm.backends.common.memory import blocks_to_commit
 from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
+from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, quantized_path
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.runner.architectures import check_supported
 from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
-from pagedllm.backends.cpu.runner.quantization import quantize_linears
+from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
+from pagedllm.backends.cpu.runner.quantization import describe_quantized, quantize_linears
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.batch import Batch
@@ -32,9 +34,14 @@ LINEAR_KINDS = {"quantized": "on quantized weights",
                 "brgemm": "bf16 through brgemm tiles",
                 "brgemm+silu": "SwiGLU gate/up through brgemm tiles with SiLU-and-multiply",
                 "oneDNN": "packed for oneDNN"}
-# How the quantized linears take their dot products, by whether the model runs in bf16 (see quantized_linear.py).
-QUANTIZED_DOTS = {True: "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
-                  False: "dequantize their weights to float32 in the kernel (float32 dot products)"}
+# How the quantized linears take their dot products (QuantizedLinear.path), for the log.
+QUANTIZED_PATHS = {
+    "bf16": f"dequantize their weights to bf16 in registers up to {GEMV_ROWS} rows and to bf16 tiles for brgemm "
+            f"above (bf16 activations, as the dense model)",
+    "int8 and bf16 tiles": f"quantize their activations to int8 per 32 inputs up to {GEMV_ROWS} rows (int8 dot "
+                           f"products, as llama.cpp), and dequantize their weights to bf16 tiles for brgemm above",
+    "int8": "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
+    "float32": "dequantize their weights to float32 in the kernel (float32 dot products)"}
 
 
 class ModelRunner:
@@ -45,11 +52,12 @@ class ModelRunner:
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
                  rank: Rank | None = None, quantization: str = "none", gguf_file: str | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, int8_activations: bool = False) -> None:
         self.model_dir = model_dir
         self.quantization = quantization  # resolved: "none", "gguf", "q8_0", "q4_0" or "int8"
         self.gguf_file = gguf_file
         self.batch_invariant = batch_invariant
+        self.int8_activations = int8_activations  # quantized weights of a bf16 model: int8 dot products for decodes
         self.dtype = dtype
         self.residual_dtype = residual_dtype or dtype
         self.cache_kind = cache_kind  # "plain" or "u8"
@@ -71,26 +79,32 @@ class ModelRunner:
         if self.rank is not None:
             check_shardable(config.get_text_config(), self.rank.world_size)
         attention.register()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
-        self.model.eval()
         quantization = self.quantization
         if quantization != "none" and self.kernels is None:
-            logger.warning("quantized weights need the C++ kernels, which are not in use: running dense weights")
-            quantization = "none"
-        logger.info("%s", quantize_linears(self.model, quantization, self.gguf_file))
+            raise ConfigError(f"--quantization {quantization}: quantized weights need the C++ kernels, which are not "
+                              f"in use here (PAGEDLLM_CPU_ATTENTION=torch, or their build failed); use "
+                              f"--quantization none")
+        if quantization == "gguf":
+            self.model, weights = load_gguf_model(self.model_dir, self.gguf_file, self.dtype,
+                                                  attention.ATTENTION_NAME)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
+            self.model.eval()
+            weights = quantize_linears(self.model, quantization)
+        logger.info("%s", describe_quantized(self.model, quantization, weights))
         if self.rank is not None:
             shard_model(self.model, self.rank)
         layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
-        packed = use_packed_linears(self.model, self.kernels, self.batch_invariant)
+        packed = use_packed_linears(self.model, self.kernels, self.batch_invariant, self.int8_activations)
         head_in_float32 = float32_logits(self.model)
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                        if count) or "nn.Linear",
                     "; the LM head returns float32 logits" if head_in_float32 else "",
-                    f"; quantized ones {QUANTIZED_DOTS[self.dtype == torch.bfloat16]}" if packed["quantized"] else "")
+                    f"; quantized ones {QUANTIZED_PATHS[quantized_path(self.model)]}" if packed["quantized"] else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         if self.batch_invariant:

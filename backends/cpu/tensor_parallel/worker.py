@@ -79,7 +79,7 @@ class Worker:
         self.runner = ModelRunner(m["model_dir"], DTYPES[m["dtype"]], m["cache_kind"], DTYPES[m["cache_dtype"]],
                                   binder, kernels, DTYPES[m["residual_dtype"]], Rank(self.rank, self.world_size),
                                   quantization=m["quantization"], gguf_file=m["gguf_file"],
-                                  batch_invariant=m["batch_invariant"])
+                                  batch_invariant=m["batch_invariant"], int8_activations=m["int8_activations"])
         info = self.runner.load()
         report = {"rank": self.rank, "host": socket.gethostname(), "threads": self.plan.describe(),
                   "shard_bytes": parameter_bytes(self.runner.model), "kv_heads": self.runner.local_kv_heads,

@@ -1,0 +1,122 @@
+"""A GGUF file's model made without its dense weights: the model is built with empty parameters (accelerate's
+init_empty_weights), each linear layer whose tensor is in a format the quantized kernels run gets the file's blocks
+as they are (quant_formats.from_gguf), and every other tensor (embeddings, norms, linears of other types) is
+dequantized into its parameter. Memory holds the quantized model, never the dense one that transformers' GGUF
+loader makes (for an 8B model in bf16, 16 GB instead of about 5).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
+from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.errors import UnsupportedModelError
+
+logger = logging.getLogger("pagedllm.cpu")
+
+
+def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_implementation: str):
+    """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
+    generation config) of ``config_dir``."""
+    from accelerate import init_empty_weights
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    with init_empty_weights():  # parameters on the meta device; buffers (RoPE's frequencies) made for real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    reader = GGUFReader(str(gguf_file))
+    processor, to_hf = _name_mapping(reader, model)
+    linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    head = model.get_output_embeddings()
+    head_name = next((name for name, linear in linears.items() if linear is head), None)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False) and head_name is not None
+    quantized, dense_types = {}, collections.Counter()
+    for tensor in reader.tensors:
+        hf_name = to_hf.get(tensor.name)
+        if hf_name is None:
+            continue
+        names = [hf_name] + ([head_name + ".weight"] if tied and hf_name.endswith("embed_tokens.weight") else [])
+        for name in names:
+            linear = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file)) is not None:
+                quantized[name.removesuffix(".weight")] = weight
+                continue
+            if linear is head and tied and name != hf_name:
+                continue  # the head shares the embedding's dense rows (tie_weights below)
+            values = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
+            # float tensors come back as views of the read-only mapped file: copied as they become the dtype
+            _set_tensor(model, name, torch.tensor(values).to(dtype) if not values.flags.writeable
+                        else torch.from_numpy(np.ascontiguousarray(values)).to(dtype))
+            if linear is not None:
+                dense_types[tensor.tensor_type.name] += 1
+    for name, weight in quantized.items():
+        attach(linears[name], weight)
+    if tied and head_name not in quantized:
+        head.weight = model.get_input_embeddings().weight
+    empty = [name for name, param in model.named_parameters()
+             if param.is_meta and name.removesuffix(".weight") not in quantized]
+    if empty:
+        raise UnsupportedModelError(f"{gguf_file}: no tensor for {', '.join(empty[:3])}"
+                                    f"{' ...' if len(empty) > 3 else ''} (an architecture transformers maps "
+                                    f"differently?); run it with --quantization none")
+    if dense_types:
+        logger.info("GGUF linear layers left dense (no quantized kernel for their type): %s",
+                    ", ".join(f"{n} {kind}" for kind, n in sorted(dense_types.items())))
+    model.generation_config = _generation_config(config_dir, model.generation_config)
+    return model.eval(), quantized
+
+
+def _name_mapping(reader, model):
+    """transformers' tensor processor for the file's architecture (it permutes Llama's q and k rows) and its map
+    from GGUF tensor names to the model's parameter names."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    text = model.config.get_text_config()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads})
+    return processor, get_gguf_hf_weights_map(model, processor)
+
+
+def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path) -> QuantizedWeight | None:
+    """The tensor's blocks in the kernels' layout, rows in the Hugging Face order (the processor's permutation of
+    whole rows), or None for a type or shape the kernels do not take."""
+    type_name = tensor.tensor_type.name
+    rows, columns = int(tensor.shape[-1]), int(tensor.shape[0])
+    if type_name not in GGUF_FORMATS or (rows, columns) != (linear.out_features, linear.in_features):
+        return None
+    try:
+        weight = from_gguf(np.asarray(tensor.data), type_name, rows, columns)
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: {exc}") from exc
+    order = processor.process(weights=np.arange(rows).reshape(rows, 1), name=tensor.name).weights.reshape(rows)
+    if not np.array_equal(order, np.arange(rows)):
+        weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+    return weight
+
+
+def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    current = getattr(module, attr)
+    if tuple(current.shape) != tuple(value.shape):
+        raise UnsupportedModelError(f"GGUF tensor for {name} has shape {tuple(value.shape)}, the model expects "
+                                    f"{tuple(current.shape)}")
+    setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def _generation_config(config_dir: str, default):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(config_dir)
+    except OSError:
+        return default
