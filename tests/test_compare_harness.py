@@ -49,10 +49,10 @@ def test_an_fp32_openvino_kv_cache_without_float32_inference_is_refused_before_a
 
 
 def test_unknown_engines_are_refused_with_the_choices():
-    proc = subprocess.run([sys.executable, str(HARNESS), "--engines", "pagedllm,llama.cpp"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(HARNESS), "--engines", "pagedllm,sglang"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--engines: unknown llama.cpp; choose from pagedllm, vllm, transformers" in proc.stderr
+    assert "--engines: unknown sglang; choose from pagedllm, vllm, transformers" in proc.stderr
 
 
 def test_engines_take_turns_going_first_from_round_to_round():

@@ -5,7 +5,8 @@ import torch
 
 from pagedllm.backends.common.cpu_features import kernel_level, rank
 from pagedllm.backends.cpu.layers.attention import shared_prefix_blocks
-from pagedllm.backends.cpu.layers.kv_cache import BlockCache, QuantizedBlockCache, slot_rows
+from pagedllm.backends.cpu.layers.kv_cache import (BlockCache, ChannelQuantizedBlockCache, QuantizedBlockCache,
+                                                   slot_rows, write_u8)
 from pagedllm.backends.cpu.runner.kernels import load_kernels
 from pagedllm.utils import cdiv
 
@@ -38,7 +39,7 @@ def reference(q, keys, values, lens, scale, window):
 
 def make_caches(cache: str, num_blocks: int, dim: int = D):
     if cache == "u8":
-        return [QuantizedBlockCache(num_blocks, HKV, BS, dim) for _ in range(2)]
+        return [ChannelQuantizedBlockCache(num_blocks, HKV, BS, dim), QuantizedBlockCache(num_blocks, HKV, BS, dim)]
     dtype = torch.float32 if cache == "fp32" else torch.bfloat16
     return [BlockCache(num_blocks, HKV, BS, dim, dtype) for _ in range(2)]
 
@@ -53,10 +54,19 @@ def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tens
         nb = cdiv(n, BS)
         table[b, :nb] = perm[used:used + nb]
         used += nb
-        slots = torch.arange(n)
-        for c in caches:
-            c.write(torch.randn(n, HKV, c.data.shape[-1]), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+        positions = torch.arange(n)
+        write_random(caches, table[b, positions // BS] * BS + positions % BS)
     return table, width
+
+
+def write_random(caches, slots: torch.Tensor) -> None:
+    """Random keys and values at the slots (a sequence's tokens, in position order) of one layer's caches."""
+    dim = caches[0].data.shape[-1]
+    if isinstance(caches[0], ChannelQuantizedBlockCache):
+        write_u8(*caches, torch.randn(len(slots), HKV, dim), torch.randn(len(slots), HKV, dim), slots)
+        return
+    for c in caches:
+        c.write(torch.randn(len(slots), HKV, dim), slot_rows(slots, HKV, BS))
 
 
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
@@ -191,15 +201,13 @@ def fill_shared_prefix(caches, prefix_blocks: int, lengths: list[int], num_block
     table[:, :prefix_blocks] = perm[:prefix_blocks]
     used = prefix_blocks
     prefix = torch.arange(prefix_blocks * BS)
-    for c in caches:
-        c.write(torch.randn(len(prefix), HKV, D), slot_rows(table[0, prefix // BS] * BS + prefix % BS, HKV, BS))
+    write_random(caches, table[0, prefix // BS] * BS + prefix % BS)
     for b, n in enumerate(lengths):
         own = cdiv(n, BS) - prefix_blocks
         table[b, prefix_blocks:prefix_blocks + own] = perm[used:used + own]
         used += own
-        slots = torch.arange(prefix_blocks * BS, n)
-        for c in caches:
-            c.write(torch.randn(len(slots), HKV, D), slot_rows(table[b, slots // BS] * BS + slots % BS, HKV, BS))
+        positions = torch.arange(prefix_blocks * BS, n)
+        write_random(caches, table[b, positions // BS] * BS + positions % BS)
     return table
 
 

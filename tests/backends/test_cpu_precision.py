@@ -22,7 +22,7 @@ PROMPTS = ["Tell me about Paris", "Write a haiku about the sea.", "What is 12 ti
            "What is gravity?"]
 NEW_TOKENS = 32
 BF16_FLOOR = 0.95
-U8_FLOOR = 0.97
+U8_FLOOR = 0.98
 
 
 def make_llm(**engine_args) -> LLM:
@@ -53,12 +53,13 @@ def test_bf16_agrees_with_float32(float32_run):
 
 
 def test_its_own_q4_1_blocks_in_bf16_agree_with_float32(float32_run):
-    """--quantization gguf under bf16: int8 activations per 32 inputs over the file's Q4_1 and Q8_0 blocks."""
+    """--quantization gguf under bf16 (the default model's default): the file's Q4_1 and Q8_0 blocks dequantized to
+    bf16 for the dot products."""
     prompts, continuations, _ = float32_run
     assert agreement(make_llm(dtype="bfloat16", quantization="gguf"), prompts, continuations) >= BF16_FLOOR
 
 
-def test_u8_kv_cache_agrees_and_holds_1_8x_the_blocks_of_bf16(float32_run):
+def test_u8_kv_cache_agrees_and_holds_1_5x_the_blocks_of_bf16(float32_run):
     prompts, continuations, fp32_blocks = float32_run
     u8 = make_llm(dtype="float32", kv_cache_dtype="u8")
     u8_blocks = u8.engine.num_blocks
@@ -67,4 +68,6 @@ def test_u8_kv_cache_agrees_and_holds_1_8x_the_blocks_of_bf16(float32_run):
     bf16_blocks = bf16.engine.num_blocks
     bf16.shutdown()
     assert bf16_blocks == pytest.approx(2 * fp32_blocks, abs=1)
-    assert 1.7 <= u8_blocks / bf16_blocks <= 1.9  # head size 64: 128 bytes per token and head vs 64 + 8
+    # head size 64, blocks of 16: per token and head 2 x 128 bytes against keys of 64 bytes plus a float32 scale and
+    # minimum per channel and block (96) and values of 64 bytes plus a scale and minimum (72)
+    assert 1.5 <= u8_blocks / bf16_blocks <= 1.55

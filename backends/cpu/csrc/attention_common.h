@@ -1,8 +1,8 @@
 // What the decode and prefill attention kernels share: a cache element as float, query rows scaled and (for u8
 // caches) summed, scores of a block's keys and their weighted sum of its values, the softmax numerators, a row's
-// store, the view of a paged cache ([num_blocks, kv_heads, block_size, head_size] in float32, bfloat16, or uint8
-// with a float32 scale and minimum per token and head: x = q * scale + minimum), and the bf16 tile helpers for
-// brgemm. Everything here is inline: each kernel file compiles its own copy.
+// store, the view of a paged cache ([num_blocks, kv_heads, block_size, head_size] in float32, bfloat16, or uint8:
+// x = q * scale + minimum, keys with a float32 scale and minimum per block, head and channel, values per token and
+// head; see store_kv_u8.cpp), and the bf16 tile helpers for brgemm. Everything here is inline: each kernel file compiles its own copy.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +33,35 @@ namespace pagedllm {
 template <typename T>
 std::unique_ptr<T[]> uninitialized(int64_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
+}
+
+// Ones for block_scores' per-row factors of u8 keys, whose scales are per channel (blocks of up to 1024 tokens).
+inline constexpr std::array<float, 1024> make_ones() {
+  std::array<float, 1024> ones{};
+  for (float& one : ones) one = 1.f;
+  return ones;
+}
+inline constexpr std::array<float, 1024> kOnesArray = make_ones();
+inline const float* const kOnes = kOnesArray.data();
+
+// out = q * s per channel; returns q . m (a query row against a block's u8 key scales and minimums).
+inline float scale_channels(const float* q, const float* s, const float* m, int64_t dim, float* out) {
+  int64_t d = 0;
+  float offset = 0.f;
+#if defined(PAGEDLLM_VEC)
+  Vec acc = Vec::zero();
+  for (; d + Vec::size <= dim; d += Vec::size) {
+    const Vec x = Vec::load(q + d);
+    (x * Vec::load(s + d)).store(out + d);
+    acc = Vec::fma(x, Vec::load(m + d), acc);
+  }
+  offset = acc.sum();
+#endif
+  for (; d < dim; ++d) {
+    out[d] = q[d] * s[d];
+    offset += q[d] * m[d];
+  }
+  return offset;
 }
 
 // A cache element as float32; u8 rows are dequantized by the caller (x = q * scale + minimum per row).
@@ -74,8 +104,8 @@ inline void prefetch_block(const void* start, int64_t bytes) {
 }
 
 // scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
-// (bf16 and u8 widened in registers). u8 keys are q8 * scale + minimum per row, so q . key = scale * (q . q8) +
-// minimum * sum(q): `q_sums` holds sum(q_g).
+// (bf16 and u8 widened in registers). For u8 keys the score is scale[r] * (q_g . q8_r) + minimum[r] * q_sums[g]
+// (the caller folds the block's channel scales into q_g and its channel minimums into q_sums, with ones here).
 template <typename cache_t>
 inline void block_scores(const float* q, const float* q_sums, int64_t groups, const cache_t* keys, const float* scale,
                          const float* minimum, int64_t rows, int64_t dim, float* scores, int64_t stride) {
@@ -156,6 +186,7 @@ struct QueryRows {
   const float scale;
   const bool pairwise;
   std::vector<float> scaled, sums;
+  std::vector<float> by_channel;  // u8 keys: the scaled rows times a block's channel scales
   std::vector<at::BFloat16> raw;
 
   QueryRows(int64_t max_rows, int64_t dim, double scale)
@@ -164,6 +195,7 @@ struct QueryRows {
       raw.resize(max_rows * dim);
     else
       scaled.resize(max_rows * dim);
+    if (std::is_same<cache_t, uint8_t>::value) by_channel.resize(max_rows * dim);
   }
 
   void set(int64_t row, const scalar_t* src) {
@@ -365,16 +397,20 @@ struct PagedCache {
     }
 #endif
     const float* scaled = q.scaled.data();
-    if constexpr (quantized)
-      for (int64_t r = 0; r < rows; ++r) {
-        float sum = 0.f;
-        for (int64_t d = 0; d < dim; ++d) sum += scaled[r * dim + d];
-        q.sums[r] = sum;
-      }
     const Later values_ahead = later(values, seq, head, first_block, len);
     pass(seq, head, keys, values_ahead, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
-      block_scores(scaled, q.sums.data(), rows, k, quantized ? key_scale + slot : nullptr,
-                   quantized ? key_min + slot : nullptr, n, dim, scores + (b - first_block) * block_size, span);
+      if constexpr (quantized) {
+        // key_t = q8_t * s + m per channel of the block: q . key_t = (q * s) . q8_t + q . m
+        const float* s = key_scale + slot / block_size * dim;
+        const float* m = key_min + slot / block_size * dim;
+        float* qs = q.by_channel.data();
+        for (int64_t r = 0; r < rows; ++r) q.sums[r] = scale_channels(scaled + r * dim, s, m, dim, qs + r * dim);
+        block_scores(qs, q.sums.data(), rows, k, kOnes, kOnes, n, dim, scores + (b - first_block) * block_size,
+                     span);
+      } else {
+        block_scores(scaled, nullptr, rows, k, nullptr, nullptr, n, dim, scores + (b - first_block) * block_size,
+                     span);
+      }
     });
   }
 

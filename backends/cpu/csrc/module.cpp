@@ -21,6 +21,8 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
                              int64_t window);
 void store_kv_rows(at::Tensor key_cache, at::Tensor value_cache, at::Tensor keys, at::Tensor values,
                    at::Tensor slots);
+void store_kv_u8(at::Tensor key_cache, at::Tensor key_scale, at::Tensor key_min, at::Tensor value_cache,
+                 at::Tensor value_scale, at::Tensor value_min, at::Tensor keys, at::Tensor values, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor h, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up);
@@ -64,6 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("past_lens"), py::arg("q_starts"), py::arg("q_lens"), py::arg("scale"), py::arg("window"));
   m.def("store_kv_rows", &store_kv_rows, "tokens' keys and values into their cache slots", py::arg("key_cache"),
         py::arg("value_cache"), py::arg("keys"), py::arg("values"), py::arg("slots"));
+  m.def("store_kv_u8", &store_kv_u8, "tokens' keys and values into a u8 cache (keys per block and channel, values "
+        "per token)", py::arg("key_cache"), py::arg("key_scale"), py::arg("key_min"), py::arg("value_cache"),
+        py::arg("value_scale"), py::arg("value_min"), py::arg("keys"), py::arg("values"), py::arg("slots"));
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "residual += h, then Llama-style RMSNorm of the residual",
         py::arg("h"), py::arg("residual"), py::arg("weight"), py::arg("eps"));

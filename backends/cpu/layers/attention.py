@@ -196,6 +196,8 @@ def attend(layer_idx: int, query: torch.Tensor, new_keys: torch.Tensor, new_valu
     if first < num_tokens and kernel_writes:
         kernels.store_kv_rows(key_cache=key_cache.data, value_cache=value_cache.data, keys=new_keys[first:],
                               values=new_values[first:], slots=metadata.slots[first:])
+    elif isinstance(key_cache, kv_cache.ChannelQuantizedBlockCache):
+        kv_cache.write_u8(key_cache, value_cache, new_keys, new_values, metadata.slots, kernels)
     elif first < num_tokens:
         rows = metadata.slot_rows(num_kv_heads)[first * num_kv_heads:]
         key_cache.write(new_keys[first:], rows)

@@ -1,5 +1,7 @@
-"""Per-layer block caches for keys and values: plain (fp32/bf16) or u8 with a scale and minimum per
-token and head (vLLM's CPU backend has no u8 cache; it holds ~1.8x the tokens of bf16 per GiB at head size 64).
+"""Per-layer block caches for keys and values: plain (fp32/bf16) or u8 (vLLM's CPU backend has no u8 cache; it holds
+~1.9x the tokens of bf16 per GiB at head size 64). u8 values have a scale and minimum per token and head; u8 keys
+per block, head and channel, as OpenVINO's CPU plugin keeps them (a few key channels carry most of the magnitude;
+see csrc/store_kv_u8.cpp, and ``write_u8`` here for the same in torch).
 
 Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's paged caches.
 """
@@ -57,9 +59,9 @@ class BlockCache:
 
 
 class QuantizedBlockCache:
-    """u8 values with a float32 scale and minimum per token and head: x ~ q * scale + minimum."""
+    """u8 values with a float32 scale and minimum per token and head: x ~ q * scale + minimum (the value cache)."""
 
-    kernel_writes = False  # quantized in torch before the kernel runs
+    kernel_writes = False  # written with the keys by write_u8
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int) -> None:
         self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)
@@ -67,17 +69,8 @@ class QuantizedBlockCache:
         self.minimum = lazy_zeros((num_blocks, heads, block_size, 1), torch.float32)
 
     @staticmethod
-    def bytes_per_token_head(head_size: int, dtype: torch.dtype | None = None) -> int:
-        return head_size + 2 * 4
-
-    def write(self, x: torch.Tensor, rows: torch.Tensor) -> None:
-        x = x.float()
-        lo = x.amin(dim=-1, keepdim=True)
-        scale = (x.amax(dim=-1, keepdim=True) - lo).clamp_min(1e-8) / 255.0
-        q = ((x - lo) / scale).round_().clamp_(0, 255).to(torch.uint8)
-        _write_rows(self.data, q, rows)
-        _write_rows(self.scale, scale, rows)
-        _write_rows(self.minimum, lo, rows)
+    def bytes_per_block_head(block_size: int, head_size: int) -> int:
+        return block_size * (head_size + 2 * 4)
 
     def gather(self, blocks: torch.Tensor, num_seqs: int, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         q = self.data.index_select(0, blocks)
@@ -88,6 +81,72 @@ class QuantizedBlockCache:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in (self.data, self.scale, self.minimum):
             t[dst] = t[src]
+
+
+class ChannelQuantizedBlockCache(QuantizedBlockCache):
+    """u8 keys with a float32 scale and minimum per block, head and channel: x ~ q * scale + minimum (the key
+    cache)."""
+
+    def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int) -> None:
+        self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)
+        self.scale = lazy_zeros((num_blocks, heads, head_size), torch.float32)
+        self.minimum = lazy_zeros((num_blocks, heads, head_size), torch.float32)
+
+    @staticmethod
+    def bytes_per_block_head(block_size: int, head_size: int) -> int:
+        return block_size * head_size + 2 * 4 * head_size
+
+    def gather(self, blocks: torch.Tensor, num_seqs: int, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        q = self.data.index_select(0, blocks)
+        x = torch.addcmul(self.minimum.index_select(0, blocks).unsqueeze(2), q.to(torch.float32),
+                          self.scale.index_select(0, blocks).unsqueeze(2))
+        return _to_sequences(x.to(dtype), num_seqs, num_blocks)
+
+
+def write_u8(keys: ChannelQuantizedBlockCache, values: QuantizedBlockCache, new_keys: torch.Tensor,
+             new_values: torch.Tensor, slots: torch.Tensor, kernels=None) -> None:
+    """new_keys/new_values [T, heads, head_size] into a u8 layer cache at ``slots`` (a sequence's tokens in position
+    order): by the C++ kernels, or in torch (the reference the kernels are tested against). Keys: each block's
+    channel range grows to hold its new tokens, the block's earlier keys quantized again where it grew; values:
+    each token's own range."""
+    if kernels is not None:
+        kernels.store_kv_u8(key_cache=keys.data, key_scale=keys.scale, key_min=keys.minimum,
+                            value_cache=values.data, value_scale=values.scale, value_min=values.minimum,
+                            keys=new_keys, values=new_values, slots=slots)
+        return
+    block_size = keys.data.shape[2]
+    x = new_values.float()
+    lo = x.amin(dim=-1, keepdim=True)
+    scale = (x.amax(dim=-1, keepdim=True) - lo).clamp_min(1e-8) / 255.0
+    rows = slot_rows(slots, values.data.shape[1], block_size)
+    _write_rows(values.data, ((x - lo) / scale).round_().clamp_(0, 255).to(torch.uint8), rows)
+    _write_rows(values.scale, scale, rows)
+    _write_rows(values.minimum, lo, rows)
+    blocks, offsets = (slots // block_size).tolist(), (slots % block_size).tolist()
+    start = 0
+    while start < len(blocks):  # runs of tokens into one block
+        end = start + 1
+        while end < len(blocks) and blocks[end] == blocks[start] and offsets[end] == offsets[end - 1] + 1:
+            end += 1
+        block, first = blocks[start], offsets[start]
+        new = new_keys[start:end].float().transpose(0, 1)  # [heads, n, head_size]
+        lo, hi = new.amin(dim=1), new.amax(dim=1)
+        if first:
+            old_lo, old_scale = keys.minimum[block], keys.scale[block]
+            old_hi = old_lo + old_scale * 255.0
+            inside = (lo >= old_lo) & (hi <= old_hi)
+            lo, hi = torch.where(inside, old_lo, torch.minimum(lo, old_lo)), \
+                torch.where(inside, old_hi, torch.maximum(hi, old_hi))
+            earlier = keys.data[block, :, :first].float() * old_scale.unsqueeze(1) + old_lo.unsqueeze(1)
+            again = ((earlier - lo.unsqueeze(1)) * (255.0 / (hi - lo).clamp_min(1e-8)).unsqueeze(1))
+            keys.data[block, :, :first] = torch.where(inside.unsqueeze(1), keys.data[block, :, :first],
+                                                      again.round_().clamp_(0, 255).to(torch.uint8))
+        inverse = 255.0 / (hi - lo).clamp_min(1e-8)
+        q = ((new - lo.unsqueeze(1)) * inverse.unsqueeze(1)).round_().clamp_(0, 255).to(torch.uint8)
+        keys.data[block, :, first:first + end - start] = q
+        keys.scale[block] = (hi - lo).clamp_min(1e-8) / 255.0
+        keys.minimum[block] = lo
+        start = end
 
 
 def kernel_arguments(keys: BlockCache | QuantizedBlockCache, values: BlockCache | QuantizedBlockCache) -> dict:
@@ -119,7 +178,7 @@ def make_layer_caches(kind: str, num_blocks: int, heads: int, block_size: int, h
                       dtype: torch.dtype) -> tuple:
     """(keys, values) of one layer; ``kind`` is "u8" or "plain" (in ``dtype``)."""
     if kind == "u8":
-        return (QuantizedBlockCache(num_blocks, heads, block_size, head_size),
+        return (ChannelQuantizedBlockCache(num_blocks, heads, block_size, head_size),
                 QuantizedBlockCache(num_blocks, heads, block_size, head_size))
     return (BlockCache(num_blocks, heads, block_size, head_size, dtype),
             BlockCache(num_blocks, heads, block_size, head_size, dtype))
@@ -138,5 +197,8 @@ def commit_first_blocks(caches: list[tuple], count: int) -> bool:
 
 def bytes_per_block(kind: str, num_layers: int, heads: int, block_size: int, head_size: int,
                     dtype: torch.dtype) -> int:
-    per = (QuantizedBlockCache if kind == "u8" else BlockCache).bytes_per_token_head(head_size, dtype)
-    return 2 * num_layers * heads * block_size * per
+    if kind == "u8":
+        per_head = (ChannelQuantizedBlockCache.bytes_per_block_head(block_size, head_size)
+                    + QuantizedBlockCache.bytes_per_block_head(block_size, head_size))
+        return num_layers * heads * per_head
+    return 2 * num_layers * heads * block_size * BlockCache.bytes_per_token_head(head_size, dtype)
