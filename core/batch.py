@@ -48,3 +48,16 @@ class Batch:
 
     def num_blocks_per_seq(self) -> np.ndarray:
         return cdiv(self.seq_lens, self.block_size)
+
+
+@dataclasses.dataclass
+class EncodeBatch:
+    """A pooling step's input: whole prompts, flattened; sequence ``i`` owns tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` of ``input_ids`` (positions from 0). Nothing is cached."""
+
+    input_ids: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [B + 1]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_start_loc) - 1

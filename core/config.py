@@ -83,6 +83,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("trust_remote_code", bool, False, "let transformers run code that the model's folder ships (only for "
             "models you trust)"),
     Setting("backend", str, "cpu", "backend to run on (see `pagedllm backends`)"),
+    Setting("runner", str, "auto", "generate (text) or pooling (embeddings: /v1/embeddings, /v1/score, /v1/rerank, "
+            "LLM.embed); auto = pooling for a sentence-transformers folder (modules.json) or an encoder without an LM "
+            "head, as vLLM's", ("auto", "generate", "pooling")),
+    Setting("convert", str, "auto", "as vLLM's: embed runs a text model as an embedding model (--runner pooling, "
+            "last-token pooling for a decoder)", ("auto", "none", "embed")),
+    Setting("pooler_config", str, None, "the pooling runner's pooler, as vLLM's JSON: {\"pooling_type\": \"MEAN\" | "
+            "\"CLS\" | \"LAST\", \"normalize\": true | false}", shown_default="the model's sentence-transformers config, "
+            "else CLS (encoders) or LAST (decoders), normalized"),
     Setting("dtype", str, "auto", "model data type; auto = bfloat16 where the CPU has AVX512_BF16 or AMX, else "
             "float32; float16 runs as bfloat16 on the cpu backend", DTYPES),
     Setting("max_model_len", token_count, None, "longest sequence (prompt + output) in tokens",
@@ -138,6 +146,9 @@ class EngineArgs:
     generation_config: str | None = None
     trust_remote_code: bool | None = None
     backend: str | None = None
+    runner: str | None = None
+    convert: str | None = None
+    pooler_config: str | None = None  # JSON text (a dict is taken and written as JSON)
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -165,8 +176,9 @@ class EngineArgs:
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
         """Core settings by name; any other keyword is a backend's setting (``quantize_weights="int8"``)."""
         options = dict(kwargs.pop("backend_options", None) or {})
-        if isinstance(kwargs.get("speculative_config"), dict):  # as vLLM's LLM(speculative_config={...}) takes it
-            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
+        for name in ("speculative_config", "pooler_config"):  # as vLLM's LLM(speculative_config={...}) takes them
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = json.dumps(kwargs[name])
         names = {f.name for f in dataclasses.fields(cls)}
         options.update({k: v for k, v in kwargs.items() if k not in names})
         return cls(**{k: v for k, v in kwargs.items() if k in names}, backend_options=options)
@@ -187,6 +199,9 @@ class EngineConfig:
     generation_config: str
     trust_remote_code: bool
     backend: str
+    runner: str
+    convert: str
+    pooler_config: str | None
     dtype: str
     max_model_len: int | None
     max_num_seqs: int

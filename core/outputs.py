@@ -72,6 +72,7 @@ class RequestOutput:
     # the output that carries the first generated token on.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    embedding: list[float] | None = None  # a pooling request's vector (it has no completions)
 
     # The first completion's fields, for the common n=1 case.
     @property
@@ -85,3 +86,37 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: one prompt's embedding, ``outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """vLLM's: one pair's score, ``outputs.score``."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the second text's (the first is shared or paired)
+    outputs: ScoringOutput
+    finished: bool = True

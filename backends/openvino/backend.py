@@ -77,6 +77,10 @@ class OpenVINOBackend(Backend):
         self.request = None
 
     def load_model(self) -> ModelInfo:
+        if self.config.runner == "pooling":
+            # its model is optimum-intel's text-generation export turned into a paged one: no hidden-state output
+            raise ConfigError("the openvino backend has no pooling runner (embeddings): run the model with "
+                              "--backend cpu")
         import openvino as ov
         from transformers import AutoConfig
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -49,6 +50,8 @@ def run_throughput(args: argparse.Namespace) -> dict:
         workload = workload or workload_from_args(args, engine.tokenizer, engine.source.name, engine.config.seed)
         if args.save_workload:
             workload.save(args.save_workload)
+        if engine.config.runner == "pooling":
+            return _run_pooling(llm, workload, startup, args)
         if workload.max_len > engine.config.max_model_len:
             raise WorkloadError(f"the workload has a request of {workload.max_len} tokens (prompt + output), more "
                                 f"than max_model_len {engine.config.max_model_len}; shorten it or raise "
@@ -72,6 +75,38 @@ def run_throughput(args: argparse.Namespace) -> dict:
     return results
 
 
+def _run_pooling(llm, workload: Workload, startup: float, args: argparse.Namespace) -> dict:
+    """An embedding model's throughput: the workload's prompts embedded (their output lengths unused)."""
+    engine = llm.engine
+    longest = max(len(r.prompt_token_ids) for r in workload.requests)
+    if longest > engine.config.max_model_len:
+        raise WorkloadError(f"the workload has a prompt of {longest} tokens, more than max_model_len "
+                            f"{engine.config.max_model_len}; shorten it with --input-len")
+    start = time.perf_counter()
+    outputs = llm.embed([{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests])
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    e = engine.config
+    results = {"workload": workload.name, "num_requests": len(outputs), "elapsed_time": elapsed,
+               "total_prompt_tokens": tokens, "requests_per_second": len(outputs) / elapsed,
+               "prompt_tokens_per_second": tokens / elapsed, "startup_seconds": startup,
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "embedding_size": len(outputs[0].outputs.embedding) if outputs else 0,
+               "engine": {"model": engine.source.name, "backend": e.backend, "dtype": engine.model_info.dtype,
+                          "runner": "pooling", "max_num_seqs": e.max_num_seqs,
+                          "max_num_batched_tokens": e.max_num_batched_tokens}}
+    print_report("pagedllm embedding throughput", [
+        ("workload", results["workload"]),
+        ("engine", f"{e.model or engine.source.name} on {e.backend}, {engine.model_info.dtype}, pooling runner"),
+        ("requests", f"{len(outputs)} prompts ({tokens} tokens) in {elapsed:.2f} s"),
+        ("throughput", f"{results['requests_per_second']:.1f} sentences/s, {results['prompt_tokens_per_second']:.0f} "
+                       f"tokens/s"),
+        ("start-up (load to ready)", f"{startup:.1f} s")])
+    if args.output_json:
+        write_json(args.output_json, results)
+    return results
+
+
 def _results(engine, workload: Workload, outputs, elapsed: float, startup: float) -> dict:
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -88,6 +123,7 @@ def _results(engine, workload: Workload, outputs, elapsed: float, startup: float
         "tokens_per_second": (num_prompt + num_output) / elapsed,
         "output_tokens_per_second": num_output / elapsed,
         "startup_seconds": startup,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # the engine's process (Linux)
         "kv_blocks_total": engine.num_blocks,
         "kv_block_size": config.block_size,
         "peak_kv_blocks": stats.peak_kv_blocks,

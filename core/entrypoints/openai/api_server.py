@@ -21,6 +21,14 @@ from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.chat import create_chat_completion
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, merge_model_args
 from pagedllm.entrypoints.openai.completions import create_completion
+from pagedllm.entrypoints.openai.embeddings import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    create_embedding,
+    create_rerank,
+    create_score,
+)
 from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers, queue_full
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -113,6 +121,21 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, ctx)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await create_embedding(body, request, ctx)
+
+    @app.post("/v1/score")
+    @app.post("/score", include_in_schema=False)
+    async def score(body: ScoreRequest, request: Request):
+        return await create_score(body, request, ctx)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    async def rerank(body: RerankRequest, request: Request):
+        return await create_rerank(body, request, ctx)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
