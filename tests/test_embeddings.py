@@ -4,6 +4,8 @@ equals transformers' last hidden state; scores are cosines; what an embedding en
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -58,7 +60,9 @@ def test_float32_embeddings_equal_sentence_transformers(fp32, reference):
 
 
 def test_bf16_embeddings_within_1e_3(minilm, reference):
+    before = os.sched_getaffinity(0)
     llm = LLM(minilm, dtype="bfloat16")
+    assert os.sched_getaffinity(0) == before  # loading leaves the user's thread on its CPUs
     assert (1 - cosines(llm.embed(SENTENCES, use_tqdm=False), reference)).max() < 1e-3
     llm.shutdown()
 

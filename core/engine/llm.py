@@ -90,6 +90,9 @@ class LLM:
         """Embeddings of the prompts (a model run with ``runner="pooling"``), in their order, as vLLM's: each
         output's ``outputs.embedding``."""
         prompts = _prompt_list(prompts)
+        if prompts and all(isinstance(p, str) for p in prompts):  # one tokenizer call for the batch: short texts
+            ids = self.engine.tokenizer(prompts).input_ids      # cost more to tokenize one by one than to embed
+            prompts = [{"prompt": p, "prompt_token_ids": i} for p, i in zip(prompts, ids)]
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
         else:

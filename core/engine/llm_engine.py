@@ -144,6 +144,7 @@ class LLMEngine:
             pooler = pooler_config(source.config_dir, info.decoder, config.pooler_config)
             backend.encode(EncodeBatch(np.arange(min(8, info.max_model_len), dtype=np.int64),
                                        np.array([0, min(8, info.max_model_len)], dtype=np.int32)))  # warm-up
+            backend.release_thread()  # the loading thread need not be the one that encodes
         except BaseException:
             backend.shutdown()
             raise

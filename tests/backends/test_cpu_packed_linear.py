@@ -189,6 +189,16 @@ def test_a_brgemm_lm_head_returns_float32_logits_that_round_to_its_bf16_ones(bia
     assert torch.equal(logits.to(torch.bfloat16), rounded)
 
 
+@brgemm_only
+def test_a_head_wider_than_brgemms_limit_still_returns_float32_logits():
+    """The LM head of a model wider than the brgemm linears' limit (an 8B's 4096) goes through brgemm all the same:
+    oneDNN would round its logits to bf16."""
+    model = _HeadModel(torch.nn.Linear(MAX_BRGEMM_IN_FEATURES + 64, 40, bias=False).to(torch.bfloat16))
+    use_packed_linears(model, kernels)
+    assert isinstance(model.head, BrgemmLinear) and float32_logits(model)
+    assert model.head(torch.randn(3, MAX_BRGEMM_IN_FEATURES + 64).to(torch.bfloat16)).dtype == torch.float32
+
+
 def test_a_head_without_brgemm_keeps_its_output_dtype():
     model = _HeadModel(torch.nn.Linear(16, 24))
     use_packed_linears(model, kernels)

@@ -156,15 +156,18 @@ def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bo
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
     counts = {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name in names:
         linear = model.get_submodule(name)
+        # the LM head through brgemm at any width: it returns float32 logits (oneDNN's bf16 matmul rounds them)
+        any_width = batch_invariant or linear is head
         if (weight := quantized_weight(linear)) is not None:
             bf16 = linear.weight.dtype == torch.bfloat16
             kind = QuantizedSiluAndMul if getattr(linear, SWIGLU_GATE_UP, False) else QuantizedLinear
             model.set_submodule(name, kind(weight, linear.bias, kernels, bf16, int8_activations,
                                            kernel_only=batch_invariant))
             counts["quantized"] += 1
-        elif can_brgemm(linear, kernels, any_width=batch_invariant):
+        elif can_brgemm(linear, kernels, any_width=any_width):
             fused = getattr(linear, SWIGLU_GATE_UP, False)
             model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
             counts["brgemm+silu" if fused else "brgemm"] += 1

@@ -1,0 +1,76 @@
+"""llama.cpp (through llama-cpp-python) in a virtual environment of its own, cached outside the repo.
+
+llama-cpp-python's PyPI release is a source package: pip builds llama.cpp from it with CMake, here for the
+x86-64 instruction sets up to AVX-512 with VNNI and BF16 (what Zen 4/5 and Xeons have). Not AMX: this release's AMX
+kernels die of SIGILL on their first tile load on the AMX Xeon this was measured on (``GGML_NATIVE=ON`` turns
+them on), so llama.cpp runs its AVX-512 kernels there. The wheel is built once and cached; the venv holds it and
+numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_PYTHON_VERSION_TAG = "avx512"  # which build the cached wheel is
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+              "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+              "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF")
+MARKER = "pagedllm-setup.json"
+
+
+def default_venv_dir() -> Path:
+    """$PAGEDLLM_LLAMA_CPP_VENV, else llama-cpp-venv in pagedllm's cache directory."""
+    if env := os.environ.get("PAGEDLLM_LLAMA_CPP_VENV"):
+        return Path(env)
+    from pagedllm.models.source import cache_dir
+
+    return cache_dir() / "llama-cpp-venv"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _run(cmd: list, log, env: dict | None = None) -> None:
+    print("$", " ".join(str(c) for c in cmd), file=log, flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def ensure_venv(venv: Path, log=sys.stderr) -> dict:
+    """Build the wheel (cached beside the venv) and fill the venv, unless a finished setup is recorded there."""
+    marker = venv / MARKER
+    if marker.is_file():
+        return json.loads(marker.read_text())
+    start = time.time()
+    wheels = venv.parent / "wheels" / LLAMA_CPP_PYTHON_VERSION_TAG
+    wheel = next(iter(sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-*.whl"))), None)
+    if wheel is None:
+        print(f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} from source (llama.cpp with CMake, "
+              f"{CMAKE_ARGS}; several minutes on 2 cores)", file=log, flush=True)
+        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-w", wheels], log, env)
+        wheel = next(iter(sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-*.whl"))))
+    shutil.rmtree(venv, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", venv], log)
+    python = venv_python(venv)
+    _run([python, "-m", "pip", "install", "-q", "numpy", "typing-extensions", "diskcache", "jinja2"], log)
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", wheel], log)
+    record = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "wheel": str(wheel), "cmake_args": CMAKE_ARGS,
+              "setup_seconds": time.time() - start}
+    marker.write_text(json.dumps(record))
+    return record
+
+
+def probe(venv: Path) -> str | None:
+    """Why ``import llama_cpp`` fails in the venv, or None."""
+    proc = subprocess.run([str(venv_python(venv)), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                          capture_output=True, text=True)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
