@@ -35,33 +35,20 @@ std::unique_ptr<T[]> uninitialized(int64_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
 
-// Ones for block_scores' per-row factors of u8 keys, whose scales are per channel (blocks of up to 1024 tokens).
-inline constexpr std::array<float, 1024> make_ones() {
-  std::array<float, 1024> ones{};
-  for (float& one : ones) one = 1.f;
-  return ones;
-}
-inline constexpr std::array<float, 1024> kOnesArray = make_ones();
-inline const float* const kOnes = kOnesArray.data();
-
-// out = q * s per channel; returns q . m (a query row against a block's u8 key scales and minimums).
-inline float scale_channels(const float* q, const float* s, const float* m, int64_t dim, float* out) {
-  int64_t d = 0;
-  float offset = 0.f;
+// out[r][d] = q8[r][d] * scale[d] + minimum[d]: a block of u8 keys (scales per channel) as float32, once per block,
+// so every query row of the block's scores reads it widened.
+inline void dequantize_block(const uint8_t* q8, const float* scale, const float* minimum, int64_t rows, int64_t dim,
+                             float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = q8 + r * dim;
+    float* dst = out + r * dim;
+    int64_t d = 0;
 #if defined(PAGEDLLM_VEC)
-  Vec acc = Vec::zero();
-  for (; d + Vec::size <= dim; d += Vec::size) {
-    const Vec x = Vec::load(q + d);
-    (x * Vec::load(s + d)).store(out + d);
-    acc = Vec::fma(x, Vec::load(m + d), acc);
-  }
-  offset = acc.sum();
+    for (; d + Vec::size <= dim; d += Vec::size)
+      Vec::fma(Vec::load(src + d), Vec::load(scale + d), Vec::load(minimum + d)).store(dst + d);
 #endif
-  for (; d < dim; ++d) {
-    out[d] = q[d] * s[d];
-    offset += q[d] * m[d];
+    for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * scale[d] + minimum[d];
   }
-  return offset;
 }
 
 // A cache element as float32; u8 rows are dequantized by the caller (x = q * scale + minimum per row).
@@ -104,12 +91,10 @@ inline void prefetch_block(const void* start, int64_t bytes) {
 }
 
 // scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
-// (bf16 and u8 widened in registers). For u8 keys the score is scale[r] * (q_g . q8_r) + minimum[r] * q_sums[g]
-// (the caller folds the block's channel scales into q_g and its channel minimums into q_sums, with ones here).
+// (bf16 widened in registers; u8 blocks are dequantized first).
 template <typename cache_t>
-inline void block_scores(const float* q, const float* q_sums, int64_t groups, const cache_t* keys, const float* scale,
-                         const float* minimum, int64_t rows, int64_t dim, float* scores, int64_t stride) {
-  constexpr bool quantized = std::is_same<cache_t, uint8_t>::value;
+inline void block_scores(const float* q, int64_t groups, const cache_t* keys, int64_t rows, int64_t dim,
+                         float* scores, int64_t stride) {
   int64_t r = 0;
 #if defined(PAGEDLLM_VEC)
   if (dim % Vec::size == 0) {
@@ -123,10 +108,7 @@ inline void block_scores(const float* q, const float* q_sums, int64_t groups, co
           const Vec qv = Vec::load(qg + d);
           for (int i = 0; i < 8; ++i) acc[i] = Vec::fma(qv, Vec::load(k + i * dim + d), acc[i]);
         }
-        float* s = scores + g * stride + r;
-        sum8(acc, s);
-        if constexpr (quantized)
-          for (int i = 0; i < 8; ++i) s[i] = s[i] * scale[r + i] + minimum[r + i] * q_sums[g];
+        sum8(acc, scores + g * stride + r);
       }
     }
   }
@@ -137,7 +119,7 @@ inline void block_scores(const float* q, const float* q_sums, int64_t groups, co
       const cache_t* k = keys + r * dim;
       float sum = 0.f;
       for (int64_t d = 0; d < dim; ++d) sum += qg[d] * as_float(k[d]);
-      scores[g * stride + r] = quantized ? sum * scale[r] + minimum[r] * q_sums[g] : sum;
+      scores[g * stride + r] = sum;
     }
 }
 
@@ -185,17 +167,16 @@ struct QueryRows {
   const int64_t dim;
   const float scale;
   const bool pairwise;
-  std::vector<float> scaled, sums;
-  std::vector<float> by_channel;  // u8 keys: the scaled rows times a block's channel scales
+  std::vector<float> scaled;
+  std::vector<float> keys;  // u8 caches: the block being scored, dequantized
   std::vector<at::BFloat16> raw;
 
   QueryRows(int64_t max_rows, int64_t dim, double scale)
-      : dim(dim), scale(static_cast<float>(scale)), pairwise(kBf16 && dim % 32 == 0), sums(max_rows) {
+      : dim(dim), scale(static_cast<float>(scale)), pairwise(kBf16 && dim % 32 == 0) {
     if (pairwise)
       raw.resize(max_rows * dim);
     else
       scaled.resize(max_rows * dim);
-    if (std::is_same<cache_t, uint8_t>::value) by_channel.resize(max_rows * dim);
   }
 
   void set(int64_t row, const scalar_t* src) {
@@ -400,16 +381,12 @@ struct PagedCache {
     const Later values_ahead = later(values, seq, head, first_block, len);
     pass(seq, head, keys, values_ahead, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
       if constexpr (quantized) {
-        // key_t = q8_t * s + m per channel of the block: q . key_t = (q * s) . q8_t + q . m
-        const float* s = key_scale + slot / block_size * dim;
-        const float* m = key_min + slot / block_size * dim;
-        float* qs = q.by_channel.data();
-        for (int64_t r = 0; r < rows; ++r) q.sums[r] = scale_channels(scaled + r * dim, s, m, dim, qs + r * dim);
-        block_scores(qs, q.sums.data(), rows, k, kOnes, kOnes, n, dim, scores + (b - first_block) * block_size,
-                     span);
+        q.keys.resize(block_size * dim);
+        dequantize_block(k, key_scale + slot / block_size * dim, key_min + slot / block_size * dim, n, dim,
+                         q.keys.data());
+        block_scores(scaled, rows, q.keys.data(), n, dim, scores + (b - first_block) * block_size, span);
       } else {
-        block_scores(scaled, nullptr, rows, k, nullptr, nullptr, n, dim, scores + (b - first_block) * block_size,
-                     span);
+        block_scores(scaled, rows, k, n, dim, scores + (b - first_block) * block_size, span);
       }
     });
   }
