@@ -61,7 +61,7 @@ def fill_caches(caches, lengths: list[int], num_blocks: int) -> tuple[torch.Tens
 
 def write_random(caches, slots: torch.Tensor) -> None:
     """Random keys and values at the slots (a sequence's tokens, in position order) of one layer's caches."""
-    dim = caches[0].data.shape[-1]
+    dim = caches[1].data.shape[-1]
     if isinstance(caches[0], ChannelQuantizedBlockCache):
         write_u8(*caches, torch.randn(len(slots), HKV, dim), torch.randn(len(slots), HKV, dim), slots)
         return
@@ -133,7 +133,7 @@ def check_prefill(kernels, dtype, caches, table, past_lens: list[int], q_lens: l
     totals = [p + n for p, n in zip(past_lens, q_lens)]
     width = table.shape[1]
     starts = torch.tensor([0] + q_lens).cumsum(0)[:-1]
-    dim = caches[0].data.shape[-1]
+    dim = caches[1].data.shape[-1]
     q = torch.randn(HKV * GROUPS, sum(q_lens), dim).to(dtype).transpose(0, 1)  # [T, Hq, D], as transformers hands it
     keys = caches[0].gather(table.reshape(-1), len(totals), width, torch.float32)
     values = caches[1].gather(table.reshape(-1), len(totals), width, torch.float32)

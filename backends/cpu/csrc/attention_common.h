@@ -35,20 +35,73 @@ std::unique_ptr<T[]> uninitialized(int64_t n) {
   return std::make_unique_for_overwrite<T[]>(n);
 }
 
-// out[r][d] = q8[r][d] * scale[d] + minimum[d]: a block of u8 keys (scales per channel) as float32, once per block,
-// so every query row of the block's scores reads it widened.
-inline void dequantize_block(const uint8_t* q8, const float* scale, const float* minimum, int64_t rows, int64_t dim,
-                             float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = q8 + r * dim;
-    float* dst = out + r * dim;
-    int64_t d = 0;
+// out = x * scale elementwise; returns x . minimum (u8 rows: a query against a block's channel scales and minimums,
+// or probabilities against a block's token scales and minimums). In vectors: a scalar sum is a chain of dependent
+// adds, paid once per block.
+inline float scale_and_dot(const float* x, const float* scale, const float* minimum, int64_t n, float* out) {
+  float dot = 0.f;
+  int64_t i = 0;
 #if defined(PAGEDLLM_VEC)
-    for (; d + Vec::size <= dim; d += Vec::size)
-      Vec::fma(Vec::load(src + d), Vec::load(scale + d), Vec::load(minimum + d)).store(dst + d);
-#endif
-    for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * scale[d] + minimum[d];
+  Vec acc = Vec::zero();
+  for (; i + Vec::size <= n; i += Vec::size) {
+    const Vec v = Vec::load(x + i);
+    (v * Vec::load(scale + i)).store(out + i);
+    acc = Vec::fma(v, Vec::load(minimum + i), acc);
   }
+  dot = acc.sum();
+#endif
+  for (; i < n; ++i) {
+    out[i] = x[i] * scale[i];
+    dot += x[i] * minimum[i];
+  }
+  return dot;
+}
+
+#if defined(PAGEDLLM_VEC)
+// scores[j * stride + t0 + i] = offsets[j] + sum_d qs[j * dim + d] * keys[d * block_size + t0 + i] for R query rows
+// and Vec::size tokens from t0: one channel of consecutive tokens per vector load, one FMA per channel and row, no
+// horizontal sums.
+template <int R>
+inline void u8_key_tile(const float* qs, const float* offsets, const uint8_t* keys, int64_t block_size, int64_t dim,
+                        int64_t t0, float* scores, int64_t stride) {
+  Vec acc[R];
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) acc[j] = Vec::broadcast(offsets[j]);
+  for (int64_t d = 0; d < dim; ++d) {
+    const Vec k = Vec::load(keys + d * block_size + t0);
+#pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) acc[j] = Vec::fma(Vec::broadcast(qs[j * dim + d]), k, acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) acc[j].store(scores + j * stride + t0);
+}
+#endif
+
+// scores[r * stride + t] = q_r . key_t for a block of u8 keys, stored channel-major ([dim][block_size]) with a scale
+// and minimum per channel: key_t = q8_t * scale + minimum, so q_r . key_t = (q_r * scale) . q8_t + q_r . minimum.
+// Positions [n, block_size) of the scores may be written. qs [rows * dim] and offsets [rows] are scratch.
+inline void block_scores_u8(const float* q, int64_t rows, const uint8_t* keys, const float* scale,
+                            const float* minimum, int64_t n, int64_t block_size, int64_t dim, float* qs,
+                            float* offsets, float* scores, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r) offsets[r] = scale_and_dot(q + r * dim, scale, minimum, dim, qs + r * dim);
+  int64_t t0 = 0;
+#if defined(PAGEDLLM_VEC)
+  // A block's last tokens are scored as a whole vector too: the slots past n hold finite stale or zero bytes, and
+  // their scores land in positions the callers clear (a scalar tail would cost as much as the rest of the block).
+  for (; t0 < n && t0 + Vec::size <= block_size; t0 += Vec::size) {
+    using Tile = void (*)(const float*, const float*, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t);
+    static constexpr Tile kTiles[] = {nullptr, u8_key_tile<1>, u8_key_tile<2>, u8_key_tile<3>, u8_key_tile<4>};
+    for (int64_t r = 0; r < rows; r += 4)
+      kTiles[std::min<int64_t>(4, rows - r)](qs + r * dim, offsets + r, keys, block_size, dim, t0, scores + r * stride,
+                                             stride);
+  }
+#endif
+  for (; t0 < n; ++t0)
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = offsets[r];
+      for (int64_t d = 0; d < dim; ++d) sum += qs[r * dim + d] * static_cast<float>(keys[d * block_size + t0]);
+      scores[r * stride + t0] = sum;
+    }
 }
 
 // A cache element as float32; u8 rows are dequantized by the caller (x = q * scale + minimum per row).
@@ -91,7 +144,7 @@ inline void prefetch_block(const void* start, int64_t bytes) {
 }
 
 // scores[g * stride + r] = q_g . key_r for the group's query heads against a block's `rows` keys, read in place
-// (bf16 widened in registers; u8 blocks are dequantized first).
+// (bf16 widened in registers; u8 keys go through block_scores_u8).
 template <typename cache_t>
 inline void block_scores(const float* q, int64_t groups, const cache_t* keys, int64_t rows, int64_t dim,
                          float* scores, int64_t stride) {
@@ -168,11 +221,15 @@ struct QueryRows {
   const float scale;
   const bool pairwise;
   std::vector<float> scaled;
-  std::vector<float> keys;  // u8 caches: the block being scored, dequantized
+  std::vector<float> by_channel, offsets;  // u8 keys: the rows times a block's channel scales, and their offsets
   std::vector<at::BFloat16> raw;
 
   QueryRows(int64_t max_rows, int64_t dim, double scale)
       : dim(dim), scale(static_cast<float>(scale)), pairwise(kBf16 && dim % 32 == 0) {
+    if (std::is_same<cache_t, uint8_t>::value) {
+      by_channel.resize(max_rows * dim);
+      offsets.resize(max_rows);
+    }
     if (pairwise)
       raw.resize(max_rows * dim);
     else
@@ -239,12 +296,7 @@ inline void block_accumulate(const float* probs, int64_t stride, int64_t groups,
     int64_t weight_stride = stride;
     if constexpr (quantized) {
       for (int64_t j = 0; j < heads; ++j) {
-        const float* p = probs + (g0 + j) * stride;
-        float offset = 0.f;
-        for (int64_t r = 0; r < rows; ++r) {
-          scaled[j * rows + r] = p[r] * scale[r];
-          offset += p[r] * minimum[r];
-        }
+        const float offset = scale_and_dot(probs + (g0 + j) * stride, scale, minimum, rows, scaled + j * rows);
         for (int64_t d = 0; d < dim; ++d) acc[(g0 + j) * dim + d] += offset;
       }
       weight = scaled;
@@ -346,8 +398,8 @@ struct PagedCache {
         key_min(quantized ? k_min->data_ptr<float>() : nullptr),
         value_scale(quantized ? v_scale->data_ptr<float>() : nullptr),
         value_min(quantized ? v_min->data_ptr<float>() : nullptr), table(block_table.data_ptr<int64_t>()),
-        table_width(block_table.size(1)), kv_heads(key_cache.size(1)), block_size(key_cache.size(2)),
-        dim(key_cache.size(3)) {}
+        table_width(block_table.size(1)), kv_heads(value_cache.size(1)), block_size(value_cache.size(2)),
+        dim(value_cache.size(3)) {}
 
   // A later pass over one sequence's blocks of one cache: its blocks are asked for into L2 during the current
   // pass, one per block read, so the memory reads overlap with arithmetic instead of following it.
@@ -381,10 +433,9 @@ struct PagedCache {
     const Later values_ahead = later(values, seq, head, first_block, len);
     pass(seq, head, keys, values_ahead, first_block, len, [&](const cache_t* k, int64_t slot, int64_t b, int64_t n) {
       if constexpr (quantized) {
-        q.keys.resize(block_size * dim);
-        dequantize_block(k, key_scale + slot / block_size * dim, key_min + slot / block_size * dim, n, dim,
-                         q.keys.data());
-        block_scores(scaled, rows, q.keys.data(), n, dim, scores + (b - first_block) * block_size, span);
+        block_scores_u8(scaled, rows, k, key_scale + slot / block_size * dim, key_min + slot / block_size * dim, n,
+                        block_size, dim, q.by_channel.data(), q.offsets.data(),
+                        scores + (b - first_block) * block_size, span);
       } else {
         block_scores(scaled, rows, k, n, dim, scores + (b - first_block) * block_size, span);
       }

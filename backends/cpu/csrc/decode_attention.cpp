@@ -259,7 +259,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
     TORCH_CHECK(window <= 0, "shared_blocks cannot be used with a sliding window");
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     for (int64_t i = 0; i < seq_lens.size(0); ++i)
-      TORCH_CHECK(lens[i] > shared_blocks * key_cache.size(2), "every sequence must extend past its shared blocks");
+      TORCH_CHECK(lens[i] > shared_blocks * value_cache.size(2),
+                  "every sequence must extend past its shared blocks");
   }
   switch (query.scalar_type()) {
     case at::kFloat:

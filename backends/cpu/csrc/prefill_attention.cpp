@@ -95,7 +95,7 @@ void prefill_bf16_brgemm(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& q_starts, const at::Tensor& q_lens, double scale) {
   using bf16 = at::BFloat16;
   const int64_t num_chunks = q_starts.size(0), num_heads = query.size(1), kv_heads = key_cache.size(1);
-  const int64_t block_size = key_cache.size(2), dim = key_cache.size(3), groups = num_heads / kv_heads;
+  const int64_t block_size = value_cache.size(2), dim = value_cache.size(3), groups = num_heads / kv_heads;
   const int64_t width = block_table.size(1);
   const bf16* keys = key_cache.data_ptr<bf16>();
   const bf16* values = value_cache.data_ptr<bf16>();

@@ -43,7 +43,7 @@ template <typename scalar_t>
 void store(at::Tensor& key_cache, at::Tensor& key_scale, at::Tensor& key_min, at::Tensor& value_cache,
            at::Tensor& value_scale, at::Tensor& value_min, const at::Tensor& keys, const at::Tensor& values,
            const at::Tensor& slots) {
-  const int64_t heads = key_cache.size(1), block_size = key_cache.size(2), dim = key_cache.size(3);
+  const int64_t heads = value_cache.size(1), block_size = value_cache.size(2), dim = value_cache.size(3);
   const int64_t tokens = keys.size(0);
   const std::vector<Run> runs = runs_of(slots.data_ptr<int64_t>(), tokens, block_size);
   const scalar_t* k = keys.data_ptr<scalar_t>();
@@ -80,14 +80,14 @@ void store(at::Tensor& key_cache, at::Tensor& key_scale, at::Tensor& key_min, at
             hi = std::max(hi, old_hi);
             const float inverse = kLevels / std::max(hi - lo, kTinyRange);
             for (int64_t o = 0; o < run.first_offset; ++o) {
-              uint8_t& q = kblock[o * dim + d];
+              uint8_t& q = kblock[d * block_size + o];
               q = level(q * old_scale + old_lo, lo, inverse);
             }
           }
         }
         const float range = std::max(hi - lo, kTinyRange), inverse = kLevels / range;
         for (int64_t i = 0; i < run.count; ++i)
-          kblock[(run.first_offset + i) * dim + d] =
+          kblock[d * block_size + run.first_offset + i] =
               level(static_cast<float>(k[(run.first_token + i) * k_token + h * k_head + d]), lo, inverse);
         scale[d] = range / kLevels;
         minimum[d] = lo;
@@ -111,8 +111,9 @@ void store(at::Tensor& key_cache, at::Tensor& key_scale, at::Tensor& key_min, at
 
 }  // namespace
 
-// keys/values [T, heads, head_size] (float32 or bf16, rows of contiguous elements) into a u8 cache: key_cache and
-// value_cache [blocks, heads, block_size, head_size] u8; key_scale/key_min [blocks, heads, head_size] float32 (per
+// keys/values [T, heads, head_size] (float32 or bf16, rows of contiguous elements) into a u8 cache: key_cache
+// [blocks, heads, head_size, block_size] u8 (channel-major in a block: see attention_common.h), value_cache
+// [blocks, heads, block_size, head_size] u8; key_scale/key_min [blocks, heads, head_size] float32 (per
 // block and channel); value_scale/value_min [blocks, heads, block_size, 1] float32 (per token). slots [T] int64:
 // block * block_size + offset, a sequence's tokens in position order.
 void store_kv_u8(at::Tensor key_cache, at::Tensor key_scale, at::Tensor key_min, at::Tensor value_cache,
@@ -121,7 +122,9 @@ void store_kv_u8(at::Tensor key_cache, at::Tensor key_scale, at::Tensor key_min,
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_scale.is_contiguous() &&
                   key_min.is_contiguous() && value_scale.is_contiguous() && value_min.is_contiguous(),
               "contiguous caches");
-  TORCH_CHECK(key_scale.numel() == key_cache.size(0) * key_cache.size(1) * key_cache.size(3),
+  TORCH_CHECK(key_cache.size(2) == value_cache.size(3) && key_cache.size(3) == value_cache.size(2),
+              "u8 keys are [blocks, heads, head_size, block_size]");
+  TORCH_CHECK(key_scale.numel() == key_cache.size(0) * key_cache.size(1) * key_cache.size(2),
               "key scales: one per block, head and channel");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.stride(2) == 1 && values.stride(2) == 1,
               "keys and values of one dtype, rows contiguous");

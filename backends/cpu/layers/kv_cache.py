@@ -3,7 +3,9 @@
 per block, head and channel, as OpenVINO's CPU plugin keeps them (a few key channels carry most of the magnitude;
 see csrc/store_kv_u8.cpp, and ``write_u8`` here for the same in torch).
 
-Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's paged caches.
+Layout [num_blocks, kv_heads, block_size, head_size], as IPEX's and OpenVINO's paged caches; u8 keys are
+[num_blocks, kv_heads, head_size, block_size] (channel-major in a block: the kernels score a channel of consecutive
+tokens per vector load, with the channel's scale folded into the query).
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ class QuantizedBlockCache:
 
 class ChannelQuantizedBlockCache(QuantizedBlockCache):
     """u8 keys with a float32 scale and minimum per block, head and channel: x ~ q * scale + minimum (the key
-    cache)."""
+    cache), each block channel-major: data [num_blocks, heads, head_size, block_size]."""
 
     def __init__(self, num_blocks: int, heads: int, block_size: int, head_size: int) -> None:
-        self.data = lazy_zeros((num_blocks, heads, block_size, head_size), torch.uint8)
+        self.data = lazy_zeros((num_blocks, heads, head_size, block_size), torch.uint8)
         self.scale = lazy_zeros((num_blocks, heads, head_size), torch.float32)
         self.minimum = lazy_zeros((num_blocks, heads, head_size), torch.float32)
 
@@ -97,7 +99,7 @@ class ChannelQuantizedBlockCache(QuantizedBlockCache):
         return block_size * head_size + 2 * 4 * head_size
 
     def gather(self, blocks: torch.Tensor, num_seqs: int, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
-        q = self.data.index_select(0, blocks)
+        q = self.data.index_select(0, blocks).transpose(2, 3)
         x = torch.addcmul(self.minimum.index_select(0, blocks).unsqueeze(2), q.to(torch.float32),
                           self.scale.index_select(0, blocks).unsqueeze(2))
         return _to_sequences(x.to(dtype), num_seqs, num_blocks)
@@ -114,7 +116,7 @@ def write_u8(keys: ChannelQuantizedBlockCache, values: QuantizedBlockCache, new_
                             value_cache=values.data, value_scale=values.scale, value_min=values.minimum,
                             keys=new_keys, values=new_values, slots=slots)
         return
-    block_size = keys.data.shape[2]
+    block_size = values.data.shape[2]
     x = new_values.float()
     lo = x.amin(dim=-1, keepdim=True)
     scale = (x.amax(dim=-1, keepdim=True) - lo).clamp_min(1e-8) / 255.0
@@ -137,13 +139,13 @@ def write_u8(keys: ChannelQuantizedBlockCache, values: QuantizedBlockCache, new_
             inside = (lo >= old_lo) & (hi <= old_hi)
             lo, hi = torch.where(inside, old_lo, torch.minimum(lo, old_lo)), \
                 torch.where(inside, old_hi, torch.maximum(hi, old_hi))
-            earlier = keys.data[block, :, :first].float() * old_scale.unsqueeze(1) + old_lo.unsqueeze(1)
-            again = ((earlier - lo.unsqueeze(1)) * (255.0 / (hi - lo).clamp_min(1e-8)).unsqueeze(1))
-            keys.data[block, :, :first] = torch.where(inside.unsqueeze(1), keys.data[block, :, :first],
-                                                      again.round_().clamp_(0, 255).to(torch.uint8))
+            earlier = keys.data[block, :, :, :first].float() * old_scale.unsqueeze(2) + old_lo.unsqueeze(2)
+            again = ((earlier - lo.unsqueeze(2)) * (255.0 / (hi - lo).clamp_min(1e-8)).unsqueeze(2))
+            keys.data[block, :, :, :first] = torch.where(inside.unsqueeze(2), keys.data[block, :, :, :first],
+                                                         again.round_().clamp_(0, 255).to(torch.uint8))
         inverse = 255.0 / (hi - lo).clamp_min(1e-8)
         q = ((new - lo.unsqueeze(1)) * inverse.unsqueeze(1)).round_().clamp_(0, 255).to(torch.uint8)
-        keys.data[block, :, first:first + end - start] = q
+        keys.data[block, :, :, first:first + end - start] = q.transpose(1, 2)
         keys.scale[block] = (hi - lo).clamp_min(1e-8) / 255.0
         keys.minimum[block] = lo
         start = end
