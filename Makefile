@@ -32,11 +32,13 @@ install-test: install
 	$(PIP) install -e ".[test]"
 
 # The second pass runs the ISA-dependent tests as the other kind of CPU (AVX2-only <-> AVX512_BF16/AMX).
-# Both passes share transformers' answers for the tiny models (tests/tiny_models.py, hf_greedy).
+# Both passes share transformers' answers for the tiny models (tests/tiny_models.py, hf_greedy). Test files are
+# spread over up to 4 processes (pytest-xdist): much of the suite waits on servers and subprocesses starting.
+PYTEST = $(PYTHON) -m pytest -p no:benchmark --numprocesses auto --maxprocesses 4 --dist loadfile
 test: export PAGEDLLM_TEST_ORACLE_CACHE = $(CURDIR)/build/test-oracle
 test: install-test
-	$(PYTHON) -m pytest
-	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTHON) -m pytest -m cpu_isa
+	$(PYTEST)
+	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTEST) -m cpu_isa
 
 # The import names as folders (pagedllm -> core/, pagedllm.backends -> backends/, pagedllm.plugins -> plugins/),
 # for tools that follow imports by path; pyright and mypy find it through pyproject.toml.

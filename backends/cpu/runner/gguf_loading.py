@@ -8,6 +8,7 @@ loader makes (for an 8B model in bf16, 16 GB instead of about 5).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from pathlib import Path
 
@@ -83,7 +84,16 @@ def _name_mapping(reader, model):
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={
         "num_attention_heads": text.num_attention_heads,
         "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads})
-    return processor, get_gguf_hf_weights_map(model, processor)
+    # transformers builds gguf's name map for the same architecture again at every submodule (~400 for SmolLM2, two
+    # seconds of start-up): one map serves them all.
+    import gguf
+
+    build_map = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build_map)
+    try:
+        return processor, get_gguf_hf_weights_map(model, processor)
+    finally:
+        gguf.get_tensor_name_map = build_map
 
 
 def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path) -> QuantizedWeight | None:
