@@ -85,7 +85,9 @@ def test_scores_are_cosines_of_the_embeddings(fp32, reference):
     torch.testing.assert_close(torch.tensor([s.outputs.score for s in scores]), expected, atol=1e-5, rtol=0)
     assert scores[0].outputs.score > scores[2].outputs.score  # eating bread is nearer eating food than horses
     pairwise = fp32.score(SENTENCES[:2], SENTENCES[2:4], use_tqdm=False)
-    assert len(pairwise) == 2
+    expected = torch.nn.functional.cosine_similarity(reference[0:2], reference[2:4], dim=1)
+    torch.testing.assert_close(torch.tensor([s.outputs.score for s in pairwise]), expected, atol=1e-5, rtol=0)
+    assert pairwise[1].prompt_token_ids == fp32.tokenizer(SENTENCES[3]).input_ids
     with pytest.raises(ValueError, match="give one text_1"):
         fp32.score(SENTENCES[:2], SENTENCES[2:5], use_tqdm=False)
 

@@ -19,7 +19,7 @@ from pagedllm.outputs import (
     ScoringRequestOutput,
 )
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.pooling.scoring import cosine, score_pairs
+from pagedllm.pooling.scoring import pair_scores, score_pairs, unique_texts
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -111,13 +111,11 @@ class LLM:
         """Similarity scores of text pairs, as vLLM's ``LLM.score`` for embedding models: the cosine of their
         embeddings. One ``text_1`` against each ``text_2``, or the lists pairwise (of equal length)."""
         first, second = score_pairs(text_1, text_2)
-        unique = list(dict.fromkeys([*first, *second]))
-        vectors = dict(zip(unique, (o.outputs.embedding for o in self.embed(unique, use_tqdm=use_tqdm))))
-        results = []
-        for i, (a, b) in enumerate(zip(first, second)):
-            results.append(ScoringRequestOutput(str(i), self.engine.tokenizer(b).input_ids,
-                                                ScoringOutput(cosine(vectors[a], vectors[b]))))
-        return results
+        unique = unique_texts(first, second)
+        embedded = dict(zip(unique, self.embed(unique, use_tqdm=use_tqdm)))
+        scores = pair_scores(first, second, {text: o.outputs.embedding for text, o in embedded.items()})
+        return [ScoringRequestOutput(str(i), embedded[b].prompt_token_ids, ScoringOutput(score))
+                for i, (b, score) in enumerate(zip(second, scores))]
 
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,

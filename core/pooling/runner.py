@@ -36,8 +36,6 @@ class PoolingRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: collections.OrderedDict[str, PoolingRequest] = collections.OrderedDict()
-        self.num_pooled = 0  # requests finished, and their prompt tokens (stats)
-        self.num_tokens = 0
 
     def add(self, request: PoolingRequest) -> None:
         self.waiting[request.request_id] = request
@@ -78,6 +76,4 @@ class PoolingRunner:
             metrics = RequestMetrics(request.arrival_time, start, now, now)
             outputs.append(RequestOutput(request.request_id, request.prompt, request.token_ids, [], True, metrics,
                                          embedding=embedding))
-        self.num_pooled += len(requests)
-        self.num_tokens += sum(lengths)
         return outputs

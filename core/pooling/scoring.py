@@ -18,7 +18,21 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> tup
     return first, second
 
 
+def unique_texts(first: list[str], second: list[str]) -> list[str]:
+    """Each text once, in order of first appearance: a text in several pairs is embedded once."""
+    return list(dict.fromkeys([*first, *second]))
+
+
+def pair_scores(first: list[str], second: list[str], vectors: dict[str, list[float]]) -> list[float]:
+    """The cosine of each pair's embeddings; 0 where it is undefined (a zero or non-finite vector)."""
+    return [_finite(cosine(vectors[a], vectors[b])) for a, b in zip(first, second)]
+
+
 def cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b))
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return dot / norm if norm else 0.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0

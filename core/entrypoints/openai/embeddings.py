@@ -5,7 +5,6 @@ built yet)."""
 from __future__ import annotations
 
 import base64
-import math
 import uuid
 from typing import Literal
 
@@ -18,7 +17,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import check_text_fields
 from pagedllm.entrypoints.openai.serving import ServingContext, created, prompt_index, unless_disconnected
 from pagedllm.pooling.params import PoolingParams
-from pagedllm.pooling.scoring import cosine, score_pairs
+from pagedllm.pooling.scoring import pair_scores, score_pairs, unique_texts
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
@@ -140,10 +139,8 @@ async def create_rerank(body: RerankRequest, request: Request, ctx: ServingConte
 
 
 async def _scores(ctx: ServingContext, request: Request, first: list[str], second: list[str]):
-    unique = list(dict.fromkeys([*first, *second]))
+    unique = unique_texts(first, second)
     vectors, tokens = await embed_texts(ctx, request, "score", unique, PoolingParams(), "text_1")
     if not isinstance(vectors, list):
         return vectors, 0
-    by_text = dict(zip(unique, vectors))
-    scores = [cosine(by_text[a], by_text[b]) for a, b in zip(first, second)]
-    return [s if math.isfinite(s) else 0.0 for s in scores], tokens
+    return pair_scores(first, second, dict(zip(unique, vectors))), tokens
