@@ -1,7 +1,7 @@
 """Soak: many mixed requests through a real ``pagedllm serve``, then checks that nothing leaked.
 
 The mix (seeded): streamed and whole completions and chats, n > 1, stop strings, scoring (prompt logprobs, as
-lm-eval asks for them), seeded sampling (each seeded request is sent twice and must come back the same), streams
+lm-eval asks for them, and vLLM's prompt_logprobs field), seeded sampling (each seeded request is sent twice and must come back the same), streams
 dropped at a random point, streams dropped before their first token (most of them still queued), bad sampling
 parameters and prompts longer than the model (both must get a 400 in OpenAI's error format). No request may get a
 5xx. In bf16 the logits depend slightly on the batch's shape, so
@@ -10,6 +10,11 @@ a seeded pair may differ: those are counted, and fail the soak only when the ser
 Afterwards: the KV cache is empty, the engine's and the front end's request tables are empty (``/metrics``), every
 valid request was answered, and the server's peak RSS (its engine-core process included) grew by less than
 ``--max-rss-growth`` between the first and the last quarter of the requests after warm-up.
+
+With ``--fairness``, benchmarks/fairness.py's probe runs on the same server afterwards: a small request beside one
+heavy request of each kind (a prompt at the model's length, scored or not, a slow grammar, a huge body, a long list
+of prompts). The soak fails if a small request beside a long prompt or a slow grammar waited half as long as that
+heavy request took: it was held behind it.
 
     python benchmarks/soak.py --requests 2000                   # the embedded SmolLM2
     python benchmarks/soak.py MODEL --requests 300 -- --dtype float32 --max-num-seqs 8
@@ -38,15 +43,18 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fairness import run_probes  # noqa: E402
 from serving_case import free_port, log_tail, wait_ready  # noqa: E402
 
 # What each request of the mix is, with its weight.
 KINDS = {"stream": 20, "complete": 12, "chat_stream": 12, "chat": 6, "n": 8, "stop": 8, "seeded": 8,
-         "score": 6, "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
+         "score": 6, "prompt_logprobs": 4, "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
 BAD_PARAMS = [{"temperature": -1}, {"top_p": 1.5}, {"max_tokens": -5}, {"n": 0}, {"presence_penalty": 5},
               {"top_k": -5}, {"seed": 2 ** 80}, {"logprobs": -1}, {"stop": 5}]
 WORDS = ("the of and to in is was for on that with as by at from his her an which have were are this be one "
          "city river paris london music science history water light north south story").split()
+# Heavy requests a small one must not wait behind (a list of prompts is served first come, first served, as vLLM).
+HELD_KINDS = ("long_prompt", "scored_long_prompt", "slow_grammar")
 # A bounded KV cache: its pages are faulted in as blocks are first used, which is growth by design, not a leak.
 DEFAULT_SERVER_ARGS = ["--max-num-seqs", "16", "--enable-prefix-caching", "--kv-cache-space", "0.5"]
 # oneDNN's primitive cache and ideep's descriptor cache keep ~0.27 MB per linear shape and token count, up to 1024
@@ -204,6 +212,17 @@ class Soak:
                 return Outcome("", False, 200, f"prompt logprobs {logprobs[:3]}...")
         return outcome
 
+    async def _prompt_logprobs(self, spec: dict) -> Outcome:
+        """vLLM's prompt_logprobs field beside generated tokens: an entry per prompt token, None for the first."""
+        body = self._completion(spec, prompt_logprobs=2, temperature=0)
+        response = await self.http.post("/v1/completions", json=body)
+        outcome = _answered(response, choices=1)
+        if outcome.ok:
+            entries = response.json()["choices"][0]["prompt_logprobs"]
+            if not entries or entries[0] is not None or any(not e for e in entries[1:]):
+                return Outcome("", False, 200, f"prompt_logprobs {str(entries)[:200]}")
+        return outcome
+
     async def _drop_mid_stream(self, spec: dict) -> Outcome:
         body = self._completion(spec, stream=True, max_tokens=64, ignore_eos=True)
         async with self.http.stream("POST", "/v1/completions", json=body) as response:
@@ -300,6 +319,12 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def counter(base_url: str, name: str) -> float:
+    """A counter's value summed over its samples (0 when the server does not have it)."""
+    families = text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text)
+    return sum(s.value for f in families if f.name == name for s in f.samples if s.name.endswith("_total"))
+
+
 def idle_readings(text: str) -> dict[str, float]:
     """The gauges that are 0 on an idle server that leaks nothing: {name or name[table]: value}."""
     readings = {}
@@ -322,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-shape-caches", action="store_true",
                         help=f"leave oneDNN's shape caches at their defaults (else: {SHAPE_CACHE_CAPS})")
     parser.add_argument("--max-rss-growth", type=float, default=0.05)
+    parser.add_argument("--fairness", action="store_true", help="run the fairness probe after the soak")
+    parser.add_argument("--max-prompts", type=int, default=1024,
+                        help="the server's --max-prompts-per-request, for the probe's list of prompts")
+    parser.add_argument("--grammar-choices", type=int, default=1300, help="choices of the probe's slow grammar")
     parser.add_argument("--output-json", type=Path)
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -346,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, outcomes))
         duration = time.monotonic() - start
         idle = wait_idle(base_url)
+        speculated = counter(base_url, "vllm:spec_decode_num_draft_tokens")
+        probes = None
+        if args.fairness:
+            probes = asyncio.run(run_probes(base_url, args.max_prompts, args.grammar_choices))
+            idle = wait_idle(base_url)
         server.terminate()
         exit_code = server.wait(120)
     finally:
@@ -354,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
 
     summary = summarize(outcomes, idle, rss_growth(rss.samples, warmup, args.requests), duration, exit_code)
+    summary["speculated_tokens"] = speculated
+    if probes is not None:
+        summary["fairness"] = {p.kind: dataclasses.asdict(p) for p in probes}
     float32 = any(a == "--dtype" and b == "float32" for a, b in zip(server_args, server_args[1:]))
     failures = checks(summary, args.max_rss_growth, seeds_must_match=float32)
     summary["failed_checks"] = failures
@@ -396,6 +433,12 @@ def checks(summary: dict, max_rss_growth: float, seeds_must_match: bool) -> list
     growth = summary["rss"]["growth"]
     if growth is None or growth >= max_rss_growth:
         failures.append(f"peak RSS grew by {growth} (limit {max_rss_growth})")
+    for kind, probe in summary.get("fairness", {}).items():
+        if probe["heavy_status"] is not None and probe["heavy_status"] >= 500:
+            failures.append(f"fairness probe {kind}: the heavy request got {probe['heavy_status']}")
+        if kind in HELD_KINDS and probe["overlapped"] and probe["small_seconds"] >= probe["heavy_seconds"] / 2:
+            failures.append(f"fairness probe {kind}: a small request waited {probe['small_seconds']} s beside a "
+                            f"heavy one of {probe['heavy_seconds']} s")
     if summary["server_exit_code"] != 0:
         failures.append(f"the server exited with {summary['server_exit_code']} on SIGTERM")
     return failures

@@ -100,6 +100,10 @@ SETTINGS: tuple[Setting, ...] = (
             shown_default="2048 with chunked prefill, else max(max_model_len, 2048)"),
     Setting("enable_chunked_prefill", bool, True,
             "cut long prompts into chunks that share steps with decodes (on by default, as in vLLM)"),
+    Setting("long_prefill_token_threshold", token_count, None, "with chunked prefill, most tokens a prompt already "
+            "in progress takes in a step while other requests wait, so that their prompts start in the next step "
+            "instead of after it (vLLM's flag; pagedllm applies it only while others wait)",
+            shown_default="half of max_num_batched_tokens"),
     Setting("enable_prefix_caching", bool, True, "reuse KV blocks of identical prompt prefixes across requests (on "
             "by default, as in vLLM; --no-enable-prefix-caching turns it off)"),
     Setting("block_size", int, None, "tokens per KV block", shown_default="the backend's (cpu: 16, openvino: 32)"),
@@ -154,6 +158,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = None
+    long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool | None = None
     block_size: int | None = None
     kv_cache_space: float | None = None
@@ -207,6 +212,7 @@ class EngineConfig:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     enable_chunked_prefill: bool
+    long_prefill_token_threshold: int | None
     enable_prefix_caching: bool
     block_size: int | None
     kv_cache_space: float
@@ -239,6 +245,8 @@ class EngineConfig:
             self.block_size = default_block_size
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(self.max_model_len, 2048)
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = max(1, self.max_num_batched_tokens // 2)
         self._check()
 
     def _check(self) -> None:
@@ -340,8 +348,8 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
     for s in SETTINGS:
         if s.choices and values[s.name] not in s.choices:
             raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
-                 "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "block_size",
+                 "max_model_len", "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")
     for name in ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias"):

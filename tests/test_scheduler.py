@@ -44,6 +44,16 @@ def test_decodes_first_then_chunks_then_new():
     assert plan(step(sched)) == [("a", 1), ("b", 4), ("c", 5)]
 
 
+def test_a_prompt_in_progress_leaves_room_for_a_newcomer_while_it_waits():
+    kv = KVCacheManager(100, BS, False)
+    sched = Scheduler(kv, 8, 16, True, long_prefill_token_threshold=8)
+    add(sched, "long", 60)
+    assert plan(step(sched)) == [("long", 16)]  # alone: the whole budget
+    add(sched, "short", 6)
+    assert plan(step(sched)) == [("long", 8), ("short", 6)]  # the short prompt starts in the very next step
+    assert plan(step(sched)) == [("short", 1), ("long", 15)]  # nobody waits: the whole budget again
+
+
 def test_chunk_sizes_under_a_budget():
     sched, _ = make(budget=16, chunked=True)
     add(sched, "a", 50)

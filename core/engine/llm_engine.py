@@ -66,7 +66,7 @@ class LLMEngine:
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, self.speculative,
-                                   config.max_model_len)
+                                   config.max_model_len, config.long_prefill_token_threshold)
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)

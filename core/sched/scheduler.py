@@ -2,7 +2,9 @@
 
 Each step: running requests first (decodes, then unfinished prompt chunks), then waiting ones in
 arrival order (or, with the priority policy, by priority, then arrival). With chunked prefill a prompt that does
-not fit the remaining budget is cut; without it a prompt runs whole. When the block pool runs dry, the most
+not fit the remaining budget is cut; without it a prompt runs whole. While requests wait, a prompt in progress
+takes at most ``long_prefill_token_threshold`` tokens a step, so that a long prompt does not hold a short one
+that arrives after it for more than a step. When the block pool runs dry, the most
 recently admitted running request (with the priority policy: the lowest in priority) is preempted: its blocks are
 freed and it is recomputed later (its output does not change).
 """
@@ -51,7 +53,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, policy: str = "fcfs", speculative: SpeculativeConfig | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,6 +61,7 @@ class Scheduler:
         self.by_priority = policy == "priority"
         self.speculative = speculative
         self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -166,6 +169,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens)
+            if num_new > 1 and self.chunked_prefill and self.waiting:  # leave room for the newcomers' prompts
+                num_new = min(num_new, self.long_prefill_token_threshold)
             proposals = self._proposals(request) if speculate and num_new == 1 else []
             if proposals and 1 + len(proposals) <= budget:
                 num_new += len(proposals)

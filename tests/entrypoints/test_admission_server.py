@@ -26,7 +26,7 @@ def test_requests_beyond_the_queue_bound_get_503_with_retry_after(start_server, 
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert response.json() == {"error": {
         "message": "1 requests are already waiting (max_waiting_requests); try again later",
-        "type": "server_error", "param": None, "code": "queue_full"}}
+        "type": "server_error", "param": None, "code": 503}}
     metrics = server.metrics()
     assert metrics["pagedllm:requests_rejected_total"] == 1
     # the running and the waiting request, in the engine's tables, and in the front end's routes and text state

@@ -429,11 +429,11 @@ def test_errors_through_the_openai_client(server, client):
     assert info.value.param == "prompt" and "600" in info.value.message and "512" in info.value.message
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=USER)
-    assert info.value.code == "model_not_found"
+    assert info.value.body["code"] == 404 and info.value.param == "model"  # vLLM's integer code
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as intruder:
         with pytest.raises(openai.AuthenticationError) as info:
             intruder.completions.create(model=MODEL, prompt="x")
-    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    assert info.value.status_code == 401 and info.value.body["code"] == 401
     with pytest.raises(openai.BadRequestError, match="needs echo"):  # refused before a stream starts
         client.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=0)
     assert_serves(client)
@@ -443,7 +443,7 @@ def test_errors_through_the_openai_client(server, client):
                          ids=["missing", "wrong", "not-bearer"])
 def test_api_key_is_required_on_v1_only(server, client, headers):
     response = httpx.post(server.url + COMPLETIONS, json={"prompt": "x"}, headers=headers)
-    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert response.status_code == 401 and response.json()["error"]["code"] == 401
     assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # like vLLM: only /v1 needs the key
     assert_serves(client)
@@ -466,7 +466,7 @@ def test_bodies_over_the_limit_are_a_413(server, client):
     for response in (declared, chunked):
         assert response.status_code == 413
         error = response.json()["error"]
-        assert error["code"] == "request_too_large" and str(MAX_REQUEST_SIZE) in error["message"]
+        assert error["code"] == 413 and str(MAX_REQUEST_SIZE) in error["message"]
     assert_serves(client)
 
 

@@ -1,5 +1,6 @@
 """The tool-call and reasoning parsers against real models' chat templates: those optimum-intel ships (Qwen3 with
-hermes-style calls and thinking, Mistral's [TOOL_CALLS], DeepSeek-R1's thinking), read from the installed package.
+hermes-style calls and thinking, Mistral's [TOOL_CALLS], DeepSeek-R1's thinking), read from the installed package,
+and those kept in chat_templates/ as the models publish them (Llama 3.2's JSON calls, Qwen3-Coder's XML calls).
 
 What a template writes for an assistant turn is what the model was trained to generate: each turn is rendered, its
 text after the prompt is parsed back, and the calls (or reasoning) must be the ones that went in. History arguments
@@ -9,6 +10,7 @@ sent as JSON text, as OpenAI's clients send them, must reach the template as obj
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -19,6 +21,7 @@ from pagedllm.entrypoints.openai.reasoning import split_reasoning
 from pagedllm.entrypoints.openai.tool_calls import ToolCalling
 
 templates = pytest.importorskip("optimum.exporters.openvino.utils").COMPLEX_CHAT_TEMPLATES
+TEMPLATE_FILES = Path(__file__).parent / "chat_templates"
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object",
@@ -89,3 +92,20 @@ def test_deepseek_r1_opens_the_thinking_in_the_prompt(tokenizer):
         ("Paris, 3 days: look it up.\n", "Sunny.")
     history = [USER, {"role": "assistant", "content": "<think>old thoughts</think>Sunny."}, USER]
     assert "old thoughts" not in render_chat(tokenizer, history, chat_template, True)["prompt"]
+
+
+def test_llama_3_2_json_tool_calls_round_trip(tokenizer):
+    chat_template = (TEMPLATE_FILES / "Llama-3.2-Instruct.jinja").read_text()
+    turn = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    text = generated_part(tokenizer, chat_template, turn, "<|eot_id|>")
+    assert text == '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+    assert parsed_calls("llama3_json", text) == (None, EXPECTED)
+
+
+def test_qwen3_coder_xml_tool_calls_round_trip(tokenizer):
+    chat_template = (TEMPLATE_FILES / "Qwen3-Coder.jinja").read_text()
+    turn = {"role": "assistant", "content": "Let me look.", "tool_calls": [CALL]}
+    text = generated_part(tokenizer, chat_template, turn, "<|im_end|>")
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in text
+    content, calls = parsed_calls("qwen3_xml", text)
+    assert content.strip() == "Let me look." and calls == EXPECTED  # days typed by the tool's schema

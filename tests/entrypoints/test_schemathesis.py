@@ -1,6 +1,8 @@
 """No input gives a 5xx: schemathesis generates requests, valid and invalid, from `pagedllm serve`'s own OpenAPI
-schema; every answer must be below 500, and every 4xx in OpenAI's error format. Seeded (derandomized) and bounded,
-so a failure reproduces and the run stays short in CI; PAGEDLLM_SCHEMATHESIS_EXAMPLES runs more."""
+schema; every answer must be below 500, and every 4xx in OpenAI's error format. Two servers: a text model named by
+Hub id (a Hub cache on disk) that speculates in every step, and the default embedding model (the pooling runner).
+Seeded (derandomized) and bounded, so a failure reproduces and the run stays short in CI;
+PAGEDLLM_SCHEMATHESIS_EXAMPLES runs more."""
 
 from __future__ import annotations
 
@@ -10,18 +12,27 @@ import os
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from conftest import HUB_REPO
+from hub_cache import OFFLINE
 from schemathesis import GenerationMode
 from server_process import ServerProcess
 
 EXAMPLES = int(os.environ.get("PAGEDLLM_SCHEMATHESIS_EXAMPLES", "20"))  # per operation and mode
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "disable_by_batch_size": 64}'
+
+
+@pytest.fixture(scope="module", params=["text", "pooling"])
+def server(request, tiny_llama_hub_cache, tmp_path_factory):
     # A short context and a small batch bound what a generated request can ask of the model.
-    server = ServerProcess([str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "64", "--kv-cache-space",
-                            "0.01", "--max-num-seqs", "4", "--disable-log-requests"],
-                           tmp_path_factory.mktemp("schemathesis") / "server.log")
+    bounds = ["--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "4", "--disable-log-requests"]
+    log = tmp_path_factory.mktemp("schemathesis") / "server.log"
+    if request.param == "text":
+        server = ServerProcess([HUB_REPO, *bounds, "--kv-cache-space", "0.01", "--speculative-config", SPECULATIVE],
+                               log, env={**OFFLINE, "HF_HUB_CACHE": str(tiny_llama_hub_cache)})
+    else:
+        server = ServerProcess(["--runner", "pooling", *bounds], log)  # the default embedding model
     yield server
     assert server.stop() == 0, server.log()
 

@@ -12,6 +12,7 @@ import sys
 import httpx
 import openai
 import pytest
+from hub_cache import COMMIT, OFFLINE, hub_cache
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import build_parser, main
@@ -20,20 +21,6 @@ from pagedllm.errors import ConfigError, ModelNotFoundError
 from pagedllm.models.source import resolve_model
 
 REPO = "tiny-org/tiny-llama"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-OFFLINE = {"HF_HUB_OFFLINE": "1"}
-
-
-def hub_cache(root, repo: str, files) -> "Path":  # noqa: F821
-    """A Hugging Face Hub cache as huggingface_hub lays it out: models--org--name/{refs/main, snapshots/COMMIT}."""
-    repo_dir = root / ("models--" + repo.replace("/", "--"))
-    snapshot = repo_dir / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    for f in files:
-        shutil.copy(f, snapshot / f.name)
-    (repo_dir / "refs").mkdir()
-    (repo_dir / "refs" / "main").write_text(COMMIT)
-    return snapshot
 
 
 @pytest.fixture(scope="module")

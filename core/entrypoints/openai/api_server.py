@@ -92,7 +92,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         if stalled is not None:
             raise OpenAIError(503, f"the engine has made no progress for {stalled:.0f} s with requests in flight "
                                    f"(a step or a tensor-parallel collective hangs; VLLM_ENGINE_ITERATION_TIMEOUT_S "
-                                   f"is {config.iteration_timeout:g})", code="engine_stalled")
+                                   f"is {config.iteration_timeout:g})")
         return Response(status_code=200)
 
     @app.get("/ping", include_in_schema=False)

@@ -50,8 +50,7 @@ class RerankRequest(BaseModel):
 def check_pooling_model(ctx: ServingContext, endpoint: str) -> None:
     if ctx.engine.engine.config.runner != "pooling":
         raise OpenAIError(400, f"{endpoint} needs an embedding model: this server's model generates text (serve an "
-                               f"embedding model, or this one with --runner pooling --convert embed)",
-                          code="model_not_supported")
+                               f"embedding model, or this one with --runner pooling --convert embed)")
 
 
 async def embed_texts(ctx: ServingContext, request: Request, kind: str, inputs: list, params: PoolingParams,

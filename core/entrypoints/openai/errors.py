@@ -1,4 +1,5 @@
-"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, for every failure path."""
+"""Errors in OpenAI's format, ``{"error": {"message", "type", "param", "code"}}``, for every failure path; ``code`` is
+the HTTP status as an integer, as vLLM answers."""
 
 from __future__ import annotations
 
@@ -18,26 +19,25 @@ RETRY_AFTER_SECONDS = 1  # a queue drains at the pace of steps: soon worth anoth
 class OpenAIError(Exception):
     """A request failure the client should see with this status, message and parameter."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = "server_error" if status >= 500 else "invalid_request_error"  # the two types OpenAI's API uses here
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 def queue_full(message: str) -> JSONResponse:
     """503 and when to retry, as Text Generation Inference answers its --max-concurrent-requests limit."""
-    response = error_response(503, message, code="queue_full")
+    response = error_response(503, message)
     response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
     return response
 
@@ -48,7 +48,7 @@ def body_too_large_message(max_bytes: int) -> str:
 
 
 def body_too_large(max_bytes: int) -> JSONResponse:
-    return error_response(413, body_too_large_message(max_bytes), code="request_too_large")
+    return error_response(413, body_too_large_message(max_bytes))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -71,7 +71,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
@@ -84,8 +84,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), code="request_too_large" if exc.status_code == 413
-                              else None)
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

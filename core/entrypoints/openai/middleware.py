@@ -27,7 +27,7 @@ class APIKeyMiddleware:
             if not sum(hmac.compare_digest(given, expected) for expected in self.expected):
                 message = ("missing API key: send the header 'Authorization: Bearer <key>'" if not given
                            else "incorrect API key provided")
-                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                await error_response(401, message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -45,7 +45,7 @@ class ServingContext:
             return self.model_names[0]
         if requested not in self.model_names:
             raise OpenAIError(404, f"the model {requested!r} does not exist; this server serves "
-                                   f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+                                   f"{', '.join(map(repr, self.model_names))}", param="model")
         return requested
 
     async def start(self, kind: str, prompts: list[dict], params: SamplingParams,
