@@ -123,6 +123,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("batch_invariant", bool, False, "a request's logits are bitwise the same alone, in any batch, chunked or "
             "not, cached or not, speculated or not (kernels that sum in one order whatever the batch; see "
             "docs/precision.md for what it costs)", env_aliases=("VLLM_BATCH_INVARIANT",)),
+    Setting("data_parallel_size", int, 1, "engine replicas behind the one API server, each in a process of its own "
+            "on its own CPU set (VLLM_CPU_OMP_THREADS_BIND sets split by '|', replica by replica; auto splits the "
+            "cores), each with its own KV cache of --kv-cache-space; requests go to the replica holding their "
+            "prefix, else to the least busy (serve only)", short_flag="-dp"),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
@@ -167,6 +171,8 @@ class EngineArgs:
     scheduling_policy: str | None = None
     speculative_config: str | None = None  # JSON text (a dict is taken and written as JSON)
     batch_invariant: bool | None = None
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None  # set for each replica by the data-parallel front
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
     max_logprobs: int | None = None
@@ -221,6 +227,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
     batch_invariant: bool = False
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0  # which replica this engine is
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
     max_logprobs: int = 20
@@ -312,7 +320,16 @@ def resolve(args: EngineArgs, backend_env: Mapping[str, tuple[str, ...]] | None 
         if s.choices and options[s.name] not in s.choices:
             where = s.flag if sources[s.name] == "flag" else sources[s.name]
             raise ConfigError(f"{where}: {s.name} {options[s.name]!r} is not one of {', '.join(s.choices)}")
-    return EngineConfig(**values, backend_options=options, sources=sources)
+    rank = args.data_parallel_rank or 0
+    if not 0 <= rank < values["data_parallel_size"]:
+        raise ConfigError(f"data-parallel rank {rank} is not in 0..{values['data_parallel_size'] - 1}")
+    return EngineConfig(**values, data_parallel_rank=rank, backend_options=options, sources=sources)
+
+
+def setting_value(args: EngineArgs, name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One core setting as the engine will resolve it (flag, env var, default), before the engine is built."""
+    s = SETTINGS_BY_NAME[name]
+    return _resolve_one(s, getattr(args, name), (*s.env_aliases, s.env), os.environ if environ is None else environ)[0]
 
 
 def _resolve_one(s: Setting, given: Any, env_names: Sequence[str], environ: Mapping[str, str]) -> tuple[Any, str]:
@@ -349,7 +366,7 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
         if s.choices and values[s.name] not in s.choices:
             raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
     for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "block_size",
-                 "max_model_len", "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
+                 "max_model_len", "data_parallel_size", "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")
     for name in ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias"):

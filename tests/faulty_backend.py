@@ -1,4 +1,4 @@
-"""A test-only backend plugin: the cpu backend, except that ``execute`` raises when told to.
+"""A test-only backend plugin: the cpu backend, except that ``execute`` (and ``encode``) raises when told to.
 
 The tests arm it by writing a count into the file named by ``PAGEDLLM_TEST_FAULTS``: that many of the next steps
 raise ``InjectedFault``; ``hang`` writes ``hang SECONDS``: the next step sleeps that long first (a step that
@@ -27,12 +27,20 @@ class FaultyBackend(CPUBackend):
     name = NAME
 
     def execute(self, batch):
-        fault = _take_fault()
-        if fault == "raise":
-            raise InjectedFault("injected fault")
-        if fault is not None:
-            time.sleep(float(fault))
+        _apply_fault()
         return super().execute(batch)
+
+    def encode(self, batch):
+        _apply_fault()
+        return super().encode(batch)
+
+
+def _apply_fault() -> None:
+    fault = _take_fault()
+    if fault == "raise":
+        raise InjectedFault("injected fault")
+    if fault is not None:
+        time.sleep(float(fault))
 
 
 def arm(path: Path, steps: int = 1) -> None:

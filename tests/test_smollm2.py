@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ModelNotFoundError
 from pagedllm.models.source import resolve_model
 
 pytestmark = pytest.mark.cpu_isa  # the kernels' build follows the CPU's ISA level
@@ -113,3 +114,16 @@ def test_cli_generate_end_to_end(llm):
     assert proc.stdout.strip() == expected.strip() and "Paris" in expected
     for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 16 tokens", "max_model_len 1024"):
         assert line in proc.stderr
+
+
+@pytest.mark.parametrize("keep", [50_000_000, -1000], ids=["cut-in-half", "last-bytes-missing"])
+def test_a_truncated_gguf_is_refused_naming_it_and_leaves_no_cache_behind(source, keep, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    data = source.path.read_bytes()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(data[:keep])
+    with pytest.raises(ModelNotFoundError, match="damaged.gguf is truncated"):
+        resolve_model(damaged)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # no half-made folder to trust later
+    with pytest.raises(ModelNotFoundError, match="truncated"):
+        LLM(str(damaged))

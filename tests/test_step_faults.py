@@ -13,7 +13,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import BackendDeadError
+from pagedllm.models.source import default_embedding_model_path
 from pagedllm.plugins.manager import register_plugin, unregister_plugin
+from pagedllm.pooling.params import PoolingParams
 
 PROMPTS = {"a": [1, 5, 9, 13, 17], "b": [2, 4, 6, 8], "c": [3, 7, 11, 15, 19, 23], "d": [30, 31, 32]}
 LONG_PROMPT = list(range(10, 40))  # 3 full blocks of 8 and a partial one
@@ -206,4 +208,50 @@ def test_a_failing_schedule_counts_as_a_failed_step(model, faults, monkeypatch):
     with pytest.raises(RuntimeError, match="always"):
         for _ in range(e.config.max_consecutive_step_failures):
             e.step()
+    e.shutdown()
+
+
+def test_a_failing_verify_step_fails_its_request_and_frees_its_blocks(model, faults, monkeypatch):
+    """Speculative decoding: a step that fails while checking proposals ends its request with an error, frees its
+    blocks (proposed tokens' KV included), and the engine serves the same request again to the same tokens."""
+    e = engine(model, enable_prefix_caching=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 8})
+    prompts = {"s": list(range(3, 380))}  # nearly the whole vocabulary: whatever comes next is in the prompt
+    add(e, "s", prompts=prompts)
+    expected = run(e)["s"].outputs[0].token_ids
+    assert e.stats().spec_draft_tokens > 0
+    verify = e._verify_proposals
+
+    def failing(*args, **kwargs):
+        raise InjectedSamplerFault("injected verify fault")
+
+    monkeypatch.setattr(e, "_verify_proposals", failing)
+    add(e, "s", prompts=prompts)
+    failed = run(e)["s"]
+    assert failed.error is not None and "Injected" in failed.error
+    assert e.stats().kv_blocks_used == 0
+    monkeypatch.setattr(e, "_verify_proposals", verify)
+    add(e, "s", prompts=prompts)
+    assert run(e)["s"].outputs[0].token_ids == expected
+    assert_nothing_held(e)
+    e.shutdown()
+
+
+def test_a_failing_pooling_step_fails_only_its_requests(faults):
+    """The pooling runner (embeddings): a failed forward pass ends the requests it ran with an error, the engine
+    embeds the next ones, and nothing stays queued."""
+    e = LLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        model=str(default_embedding_model_path()), backend=faulty_backend.NAME, runner="pooling", dtype="float32",
+        max_num_seqs=2))
+    texts = {"a": "A man is eating food.", "b": "A man rides a horse.", "c": "Rain in Paris."}
+    for name, text in texts.items():
+        e.add_request(name, text, PoolingParams())
+    faulty_backend.arm(faults)
+    first = e.step()  # a and b: max_num_seqs 2
+    assert {o.request_id for o in first} == {"a", "b"} and all("Injected" in o.error for o in first)
+    rest = run(e)
+    assert set(rest) == {"c"} and rest["c"].error is None and len(rest["c"].embedding) == 384
+    e.add_request("a", texts["a"], PoolingParams())
+    assert run(e)["a"].error is None
+    assert e.unfinished_request_ids() == []
     e.shutdown()

@@ -225,3 +225,16 @@ def _one_per_core(topology: Topology, allowed: set[int]) -> tuple[list[int], boo
 
 def _nodes(topology: Topology, cpus) -> list[int]:
     return sorted({topology.node_of[c] for c in cpus if c in topology.node_of})
+
+
+def replica_plans(spec: str, num_ranks: int, replica: int, replicas: int, *, reserve_for_server: bool = False,
+                  topology: Topology | None = None, allowed: set[int] | None = None) -> list[ThreadPlan]:
+    """The plans of one data-parallel replica's ``num_ranks`` ranks: the binding is planned for every rank of every
+    replica (``'|'``-separated sets in replica order, or ``auto`` split), and this replica takes its run of them."""
+    if replicas == 1:
+        return plan_ranks(spec, num_ranks, reserve_for_server=reserve_for_server, topology=topology,
+                          allowed=allowed)
+    plans = plan_ranks(spec, num_ranks * replicas, reserve_for_server=reserve_for_server, topology=topology,
+                       allowed=allowed)
+    return plans[replica * num_ranks:(replica + 1) * num_ranks]
+

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.backend import Backend, ModelInfo
 from pagedllm.backends.common import cpu_features
-from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, plan_threads
+from pagedllm.backends.common.cpu_binding import TENSOR_PARALLEL_SIZE, THREADS_BIND, replica_plans
 from pagedllm.backends.common.quantization import INT8_ACTIVATIONS, QUANTIZATION
 from pagedllm.backends.cpu.tensor_parallel.launch import (
     DISTRIBUTED_INIT_METHOD,
@@ -93,14 +93,17 @@ class CPUBackend(Backend):
         self.cache_kind, self.cache_dtype, self.cache_reason = choose_kv_cache(config.kv_cache_dtype, self.dtype)
         self.tensor_parallel = options["tensor_parallel_size"] > 1 or options["nnodes"] > 1
         if self.tensor_parallel:
-            ranks, self.rank_plans = local_ranks(options, reserve_for_server=config.serving)
+            ranks, self.rank_plans = local_ranks(options, reserve_for_server=config.serving,
+                                                 replica=config.data_parallel_rank,
+                                                 replicas=config.data_parallel_size)
             if ranks.start:
                 raise ConfigError(f"--node-rank {options['node_rank']} runs tensor-parallel ranks only, no engine: "
                                   f"start it with `{NODE_COMMAND} --node-rank {options['node_rank']} ...` (see "
                                   f"`{NODE_COMMAND} --help`)")
             self.thread_plan = self.rank_plans[0]
         else:
-            self.thread_plan = plan_threads(options["cpu_omp_threads_bind"], reserve_for_server=config.serving)
+            self.thread_plan = replica_plans(options["cpu_omp_threads_bind"], 1, config.data_parallel_rank,
+                                             config.data_parallel_size, reserve_for_server=config.serving)[0]
         from pagedllm.backends.cpu.runner.kernels import attention_mode
 
         bf16_kernels = (_name(self.dtype) == "bfloat16" and attention_mode() != "torch"

@@ -101,7 +101,8 @@ class OpenVINOBackend(Backend):
         capabilities = cpu_capabilities(core)
         self.precision = choose_precision(self.config.dtype, self.config.kv_cache_dtype, capabilities)
         threads, self.threads_applied = thread_properties(self.config.backend_options["cpu_omp_threads_bind"],
-                                                                 self.config.serving)
+                                                                 self.config.serving, self.config.data_parallel_rank,
+                                                                 self.config.data_parallel_size)
         compiled = core.compile_model(model, "CPU", {**self.precision.compile_properties(), **threads, **distribution})
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
         self.request = compiled.create_infer_request()

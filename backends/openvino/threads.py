@@ -7,19 +7,23 @@ process's CPU affinity. So of a plan it honours the thread count and pinning, no
 from __future__ import annotations
 
 import logging
+import os
 
-from pagedllm.backends.common.cpu_binding import Topology, plan_threads
+from pagedllm.backends.common.cpu_binding import Topology, replica_plans
 from pagedllm.errors import ConfigError
 
 logger = logging.getLogger("pagedllm.openvino")
 
 
-def thread_properties(spec: str, serving: bool) -> tuple[dict, str]:
+def thread_properties(spec: str, serving: bool, replica: int = 0, replicas: int = 1) -> tuple[dict, str]:
     """(compile properties, what was applied) for a binding spec: auto, nobind or a CPU list.
-    ``serving``: leave a core for the HTTP server, as the cpu backend does."""
-    plan = plan_threads(spec, reserve_for_server=serving)
+    ``serving``: leave a core for the HTTP server, as the cpu backend does. A data-parallel ``replica`` keeps this
+    process to its own CPU set (OpenVINO pins within the process's affinity), so replicas do not share cores."""
+    plan = replica_plans(spec, 1, replica, replicas, reserve_for_server=serving)[0]
     for warning in plan.warnings:
         logger.warning("%s", warning)
+    if replicas > 1 and plan.cpus is not None:
+        os.sched_setaffinity(0, plan.cpus)
     pinned = plan.cpus is not None
     properties = {"INFERENCE_NUM_THREADS": plan.num_threads, "ENABLE_CPU_PINNING": pinned}
     applied = f"{plan.num_threads} OpenVINO threads, {'pinned' if pinned else 'not pinned'}"

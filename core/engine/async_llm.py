@@ -124,11 +124,14 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, args: EngineArgs | None = None,
-                 on_step: Callable[[StepLatencies], None] | None = None, engine_process: bool = False) -> None:
+                 on_step: Callable[[StepLatencies], None] | None = None, engine_process: bool = False,
+                 place_front_end: bool = True) -> None:
+        """``place_front_end``: move this process off the core's CPUs (a data-parallel front does it once for
+        all its replicas instead)."""
         self.on_step = on_step
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self._client = make_core_client(args or EngineArgs(), engine_process)
-        if engine_process:
+        if engine_process and place_front_end:
             self._client.place_front_end()
         ready = self._client.ready
         self.engine = EngineDescription(ready.config, ready.model_info, ready.source)

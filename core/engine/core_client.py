@@ -189,22 +189,26 @@ class ProcessCoreClient:
 
     def place_front_end(self) -> None:
         """Keep this process off the core's bound CPUs, if any are left; log where each runs."""
-        core_cpus = self.ready.bound_cpus
-        mine = os.sched_getaffinity(0)
-        left = mine - set(core_cpus or ())
-        where = f"engine core process (pid {self.proc.pid})"
-        if core_cpus is None:
-            logger.info("%s: threads not pinned; the front end shares CPUs %s with it", where, _cpus(mine))
-            return
-        if not left:
-            logger.info("%s bound to CPUs %s; the front end shares them (no CPU is left)", where, _cpus(core_cpus))
-            return
-        for task in os.listdir("/proc/self/task"):  # every thread: the tokenizer's and ZMQ's too
-            try:
-                os.sched_setaffinity(int(task), left)
-            except OSError:  # the thread ended meanwhile
-                pass
-        logger.info("%s bound to CPUs %s; the front end runs on CPUs %s", where, _cpus(core_cpus), _cpus(left))
+        place_front_end(self.ready.bound_cpus, f"engine core process (pid {self.proc.pid})")
+
+
+def place_front_end(core_cpus, where: str) -> None:
+    """Move every thread of this process off ``core_cpus`` (the engine cores' bound CPUs, None if not pinned), if
+    any CPU is left; log where each runs. ``where`` names the cores in the log."""
+    mine = os.sched_getaffinity(0)
+    left = mine - set(core_cpus or ())
+    if core_cpus is None:
+        logger.info("%s: threads not pinned; the front end shares CPUs %s with it", where, _cpus(mine))
+        return
+    if not left:
+        logger.info("%s bound to CPUs %s; the front end shares them (no CPU is left)", where, _cpus(core_cpus))
+        return
+    for task in os.listdir("/proc/self/task"):  # every thread: the tokenizer's and ZMQ's too
+        try:
+            os.sched_setaffinity(int(task), left)
+        except OSError:  # the thread ended meanwhile
+            pass
+    logger.info("%s bound to CPUs %s; the front end runs on CPUs %s", where, _cpus(core_cpus), _cpus(left))
 
 
 def _import_tokenizer_modules() -> None:

@@ -6,9 +6,10 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, setting_value
 from pagedllm.engine.input_processing import PromptType, render_chat
 from pagedllm.engine.sync_client import make_engine_client
+from pagedllm.errors import ConfigError
 from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.outputs import (
     CompletionOutput,
@@ -35,8 +36,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, backend: str | None = None, engine_process: bool = False,
                  **engine_args) -> None:
-        self.engine = make_engine_client(EngineArgs.from_kwargs(model=model, backend=backend, **engine_args),
-                                         engine_process)
+        args = EngineArgs.from_kwargs(model=model, backend=backend, **engine_args)
+        if args.data_parallel_rank is None and setting_value(args, "data_parallel_size") > 1:
+            raise ConfigError("data_parallel_size runs replicas behind `pagedllm serve`; LLM runs one engine (give "
+                              "it the CPUs of all, or run one LLM per CPU set)")
+        self.engine = make_engine_client(args, engine_process)
         self._default_params: SamplingParams | None = None
 
     @property

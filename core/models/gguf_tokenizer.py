@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from pagedllm.models.gguf_file import open_gguf
+
 logger = logging.getLogger("pagedllm.gguf")
 
 # llama.cpp pre-tokenizer names whose regex is "each digit alone", then the GPT-2 split.
@@ -19,9 +21,7 @@ _GPT2_PRE = {None, "default", "gpt-2", "gpt2"}
 
 
 def _gguf_fields(path: Path, *keys: str) -> list:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
+    fields = open_gguf(path).fields
     return [fields[k].contents() if k in fields else None for k in keys]
 
 

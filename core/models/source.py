@@ -189,8 +189,10 @@ def _tokenizer_and_config(gguf: Path):
     gguf_tokenizer), and a generation config of its special tokens."""
     from transformers import AutoConfig, GenerationConfig
 
+    from pagedllm.models.gguf_file import open_gguf
     from pagedllm.models.gguf_tokenizer import tokenizer_from_gguf
 
+    open_gguf(gguf)  # a damaged file refused up front, not deep inside transformers
     tokenizer = tokenizer_from_gguf(gguf)
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -211,7 +213,11 @@ def _build_folder(out: Path, gguf: Path, what: str, write) -> Path:
     start = time.time()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     (tmp / "pagedllm-converted.json").write_text(json.dumps({"source": str(gguf), "seconds": time.time() - start}))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -194,3 +194,19 @@ def test_an_unsupported_architecture_is_named(tmp_path):
 
     with pytest.raises(UnsupportedModelError, match=r"model_type 'falcon' \(FalconForCausalLM\); supported: gemma,"):
         LLM(str(tmp_path), kv_cache_space=0.01)
+
+
+def test_loading_and_quantizing_leave_the_model_files_as_they_were(tiny_llama, tmp_path, monkeypatch):
+    """Model files are only read: a load, with quantization at load, changes no byte, size or time of them."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def files():
+        return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in tiny_llama.iterdir()
+                if p.is_file()}
+
+    before = files()
+    for quantization in (None, "int8"):
+        llm = LLM(str(tiny_llama), quantization=quantization, kv_cache_space=0.01, max_model_len=128)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.shutdown()
+    assert files() == before

@@ -18,6 +18,7 @@ import torch
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
 from pagedllm.backends.cpu.layers.quantized_linear import attach
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.gguf_file import open_gguf
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -26,13 +27,13 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
     generation config) of ``config_dir``."""
     from accelerate import init_empty_weights
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
     with init_empty_weights():  # parameters on the meta device; buffers (RoPE's frequencies) made for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    reader = GGUFReader(str(gguf_file))
+    reader = open_gguf(gguf_file)
     processor, to_hf = _name_mapping(reader, model)
     linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     head = model.get_output_embeddings()

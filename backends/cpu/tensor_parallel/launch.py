@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pagedllm.backends.common.cpu_binding import ThreadPlan, plan_ranks
+from pagedllm.backends.common.cpu_binding import ThreadPlan, replica_plans
 from pagedllm.config import Setting
 from pagedllm.errors import ConfigError
 from pagedllm.utils import module_command
@@ -31,8 +31,10 @@ NODE_COMMAND = "python -m pagedllm.backends.cpu.tensor_parallel.node"
 LOCAL_RENDEZVOUS_PREFIX = "pagedllm-tp-"
 
 
-def local_ranks(options: dict, *, reserve_for_server: bool = False) -> tuple[range, list[ThreadPlan]]:
-    """This machine's ranks and a thread plan for each, from the backend options; ConfigError if they do not fit."""
+def local_ranks(options: dict, *, reserve_for_server: bool = False, replica: int = 0,
+                replicas: int = 1) -> tuple[range, list[ThreadPlan]]:
+    """This machine's ranks and a thread plan for each, from the backend options; ConfigError if they do not fit.
+    ``replica`` of ``replicas`` (data parallelism) takes its own run of the CPU sets."""
     world, nnodes, node = options["tensor_parallel_size"], options["nnodes"], options["node_rank"]
     if world < 1 or nnodes < 1:
         raise ConfigError(f"--tensor-parallel-size ({world}) and --nnodes ({nnodes}) must be at least 1")
@@ -45,7 +47,8 @@ def local_ranks(options: dict, *, reserve_for_server: bool = False) -> tuple[ran
         raise ConfigError(f"--nnodes {nnodes} needs --distributed-init-method tcp://HOST:PORT, HOST being node 0's "
                           f"address the other nodes reach")
     per_node = world // nnodes
-    plans = plan_ranks(options["cpu_omp_threads_bind"], per_node, reserve_for_server=reserve_for_server)
+    plans = replica_plans(options["cpu_omp_threads_bind"], per_node, replica, replicas,
+                          reserve_for_server=reserve_for_server)
     return range(node * per_node, (node + 1) * per_node), plans
 
 

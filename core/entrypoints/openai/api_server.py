@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.engine.arg_utils import from_cli_args
+from pagedllm.config import setting_value
 from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.data_parallel import DataParallelEngine
 from pagedllm.entrypoints.openai.chat import create_chat_completion
 from pagedllm.entrypoints.openai.cli_args import ServerConfig, merge_model_args
 from pagedllm.entrypoints.openai.completions import create_completion
@@ -41,7 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
     check_text_fields,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext, system_fingerprint
-from pagedllm.errors import QueueFullError
+from pagedllm.errors import ConfigError, QueueFullError
 from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.models.source import load_tokenizer
 from pagedllm.version import __version__
@@ -172,7 +174,13 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 once drained) or the engine dies (exit 1, for a supervisor to restart)."""
     merge_model_args(args)
     config = ServerConfig.from_cli_args(args)  # checked before the model loads
-    engine = AsyncLLMEngine(from_cli_args(args), engine_process=config.engine_process)
+    engine_args = from_cli_args(args)
+    replicas = setting_value(engine_args, "data_parallel_size")
+    if replicas > 1 and not config.engine_process:
+        raise ConfigError("--data-parallel-size runs each replica's engine in a process of its own: drop "
+                          "--no-engine-process")
+    engine = DataParallelEngine(engine_args, replicas) if replicas > 1 else \
+        AsyncLLMEngine(engine_args, engine_process=config.engine_process)
     died: list[EngineDeadError] = []
     try:
         app = build_app(engine, config)
@@ -196,6 +204,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("serving %s at %s://%s:%d (OpenAI API under /v1; API key %s; requests up to %d bytes; engine "
                     "%s)", names, "https" if config.ssl else "http", config.host, config.port,
                     "required" if config.api_key else "off", config.max_request_size,
+                    f"{replicas} replicas, each in its own process" if replicas > 1 else
                     "in its own process" if config.engine_process else "on a thread of this process")
         if not config.api_key and not _is_loopback(config.host):
             logger.warning("listening on %s without an API key: anyone who can reach this port can use the model; "

@@ -7,6 +7,8 @@ metrics are thread-safe).
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -24,11 +26,12 @@ _REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
 
 
 class _EngineStatsCollector:
-    """Scheduler and cache state from the engine's latest snapshot."""
+    """Scheduler and cache state from an engine's latest snapshot (one per data-parallel replica)."""
 
-    def __init__(self, engine: AsyncLLMEngine, label_values: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, label_values: list[str], routed=lambda: 0) -> None:
         self.engine = engine
         self.label_values = label_values
+        self.routed = routed  # requests the data-parallel router holds for this replica
 
     def collect(self):
         stats = self.engine.stats
@@ -56,19 +59,25 @@ class _EngineStatsCollector:
                                     "and of the server's front end; above 0 when idle means a leak.",
                                     labels=LABELS + ("table",))
         tracked.add_metric(self.label_values + ["engine"], stats.requests_tracked)
-        tracked.add_metric(self.label_values + ["front_end"], self.engine.requests_tracked)
+        tracked.add_metric(self.label_values + ["front_end"], self.engine.requests_tracked + self.routed())
         yield tracked
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str) -> None:
+        """``engine``: an ``AsyncLLMEngine``, or a ``DataParallelEngine`` whose replicas get an ``engine`` label
+        each ("0", "1", ...), as vLLM labels its data-parallel engines."""
         disable_created_metrics()  # as vLLM does: the *_created samples only add noise to every scrape
         self.registry = CollectorRegistry()
-        label_values = [model_name, "0"]
-        self.registry.register(_EngineStatsCollector(engine, label_values))
+        replicas = getattr(engine, "replicas", [engine])
+        self._labels = [[model_name, str(rank)] for rank in range(len(replicas))]
+        for rank, replica in enumerate(replicas):
+            routed = functools.partial(engine.routed_to, rank) if replica is not engine else (lambda: 0)
+            self.registry.register(_EngineStatsCollector(replica, self._labels[rank], routed))
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*label_values)
+        def histogram(name: str, doc: str, buckets) -> list:
+            family = Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            return [family.labels(*labels) for labels in self._labels]
 
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
                                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
@@ -82,28 +91,30 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=self.registry)
         self.rejected = Counter("pagedllm:requests_rejected", "Requests refused because --max-waiting-requests "
-                                "were already queued.", LABELS, registry=self.registry).labels(*label_values)
+                                "were already queued.", LABELS, registry=self.registry).labels(*self._labels[0])
         self.failed = Counter("pagedllm:requests_failed", "Requests ended by an engine step that raised.", LABELS,
-                              registry=self.registry).labels(*label_values)
-        self._label_values = label_values
+                              registry=self.registry)
+        for labels in self._labels:  # each replica's counter exists from the start, at 0
+            self.failed.labels(*labels)
 
-    def observe(self, step: StepLatencies) -> None:
-        """``AsyncLLMEngine.on_step``: runs on the engine thread."""
+    def observe(self, step: StepLatencies, rank: int = 0) -> None:
+        """``on_step`` of the engine (of replica ``rank``): runs on its receiving thread."""
+        labels = self._labels[rank]
         for seconds in step.time_to_first_token:
-            self.time_to_first_token.observe(seconds)
+            self.time_to_first_token[rank].observe(seconds)
         for seconds in step.inter_token_latency:
-            self.inter_token_latency.observe(seconds)
+            self.inter_token_latency[rank].observe(seconds)
         for output in step.finished:
             if output.error is not None:  # its step failed: not a success, no latency to speak of
-                self.failed.inc()
+                self.failed.labels(*labels).inc()
                 continue
             metrics = output.metrics
-            self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
+            self.e2e_latency[rank].observe(metrics.finished_time - metrics.arrival_time)
             num_tokens = max(len(c.token_ids) for c in output.outputs)
             if num_tokens > 1 and metrics.first_token_time is not None:
-                self.time_per_output_token.observe((metrics.finished_time - metrics.first_token_time)
-                                                   / (num_tokens - 1))
-            self._success.labels(*self._label_values, output.outputs[0].finish_reason).inc()
+                self.time_per_output_token[rank].observe((metrics.finished_time - metrics.first_token_time)
+                                                         / (num_tokens - 1))
+            self._success.labels(*labels, output.outputs[0].finish_reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
