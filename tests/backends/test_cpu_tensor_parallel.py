@@ -117,6 +117,19 @@ def test_a_killed_rank_fails_the_engine_naming_it(tiny_llama):
     llm.shutdown()
 
 
+def test_a_stopped_rank_fails_the_engine_within_seconds(tiny_llama):
+    """SIGSTOP: the rank neither answers nor exits, and its peers would wait in a collective for gloo's timeout."""
+    llm = make_llm(tiny_llama, tensor_parallel_size=2)
+    victim = llm.engine.backend.runner.processes[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    with pytest.raises(TensorParallelError, match=f"TP rank 1 \\(pid {victim.pid}\\) has been stopped"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - stopped_at < 10
+    assert victim.poll() is not None  # killed with the others
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(tensor_parallel_size=3, cpu_omp_threads_bind="nobind"),
      "--tensor-parallel-size 3 does not divide the model's 4 attention heads"),

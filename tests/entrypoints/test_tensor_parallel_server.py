@@ -1,4 +1,5 @@
-"""`pagedllm serve -tp 2`: a rank killed mid-stream ends the open request with an error and turns /health 503."""
+"""`pagedllm serve -tp 2`: a rank killed mid-stream ends the open request with an error and turns /health 503; a clean
+stop logs no traceback from any rank."""
 
 import json
 import os
@@ -50,3 +51,13 @@ def test_a_killed_rank_ends_open_requests_and_health_turns_503(start_server, tin
     assert error["type"] == "server_error" and "TP rank 1" in error["message"] and "SIGKILL" in error["message"]
     health = httpx.get(server.url + "/health")
     assert health.status_code == 503 and "TP rank 1" in health.text
+
+
+def test_a_clean_stop_logs_no_traceback_from_any_rank(start_server, tiny_llama_dir):
+    server = start_server(str(tiny_llama_dir), "--dtype", "float32", "-tp", "2", "--kv-cache-space", "0.05",
+                          "--max-model-len", "256", env={"PAGEDLLM_LOGGING_LEVEL": "INFO"})
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert server.stop() == 0
+    log = server.log()
+    assert "Traceback" not in log and "Connection closed" not in log, log[-3000:]

@@ -3,8 +3,8 @@
 Each command goes to rank 0 over a pipe as a header and the batch's flat arrays (wire.py); rank 0 broadcasts it
 to the other ranks over gloo and replies when the step is done, the logits in a shared buffer. While it waits, the
 engine also watches every local rank's process, so a rank that dies (killed, out of memory) fails the step at
-once with its rank and reason; once failed, the executor stops the other ranks and every later call raises the
-same error.
+once with its rank and reason, and one that stays stopped fails it within seconds; once failed, the executor stops
+the other ranks and every later call raises the same error.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import subprocess
+import time
 from multiprocessing import Pipe
 from multiprocessing.connection import wait
 
@@ -33,6 +34,8 @@ logger = logging.getLogger("pagedllm.cpu")
 # After rank 0 reports a failed collective, how long to wait for the rank that caused it to be seen exiting.
 _DEATH_GRACE_S = 1.0
 _STOP_TIMEOUT_S = 10.0
+_WATCH_INTERVAL_S = 0.5  # how often the ranks' processes are looked at while a step runs
+STOPPED_LIMIT_S = 3.0  # a rank stopped this long (not running, not exited) ends the engine
 
 
 class TensorParallelError(BackendDeadError):
@@ -128,8 +131,19 @@ class TensorParallelExecutor:
         return int(np.frombuffer(self._reply(), dtype=np.int64)[0])
 
     def _reply(self) -> bytes:
-        """Rank 0's answer, or TensorParallelError as soon as a local rank exits or rank 0 reports a failure."""
-        ready = wait([self.conn, *self.exit_fds])
+        """Rank 0's answer, or TensorParallelError as soon as a local rank exits, stays stopped for
+        ``STOPPED_LIMIT_S`` (SIGSTOP, a frozen cgroup: its peers would wait in a collective for gloo's timeout) or
+        rank 0 reports a failure."""
+        stopped_since: dict[int, float] = {}
+        while not (ready := wait([self.conn, *self.exit_fds], timeout=_WATCH_INTERVAL_S)):
+            now = time.monotonic()
+            for rank, process in enumerate(self.processes):
+                if _is_stopped(process.pid):
+                    if now - stopped_since.setdefault(rank, now) >= STOPPED_LIMIT_S:
+                        self._fail(None, f"TP rank {rank} (pid {process.pid}) has been stopped for "
+                                         f"{STOPPED_LIMIT_S:g} s (SIGSTOP or a frozen cgroup); its peers cannot go on")
+                else:
+                    stopped_since.pop(rank, None)
         message = None
         if self.conn in ready:
             try:
@@ -141,9 +155,13 @@ class TensorParallelExecutor:
             message = raw[1:].decode(errors="replace")
         self._fail(message)
 
-    def _fail(self, rank0_message: str | None) -> None:
+    def _fail(self, rank0_message: str | None, stopped: str | None = None) -> None:
         # A collective that failed on rank 0 because a peer's connection closed is that peer's doing: give the
         # peer a moment to be seen exiting, and name it first.
+        if stopped is not None:
+            self.failed = TensorParallelError(f"a tensor-parallel worker failed, the engine cannot continue: {stopped}")
+            self._stop_all()
+            raise self.failed
         peer_failed = rank0_message is None or "peer" in rank0_message
         if peer_failed:
             wait(self.exit_fds[1:], timeout=_DEATH_GRACE_S)
@@ -173,6 +191,15 @@ class TensorParallelExecutor:
         self.processes.clear()
         if hasattr(self, "conn"):
             self.conn.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    """The process is stopped (state T or t in /proc: SIGSTOP, a debugger, a frozen cgroup)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _dtype(name: str) -> torch.dtype:
