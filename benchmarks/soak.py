@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fairness import run_probes  # noqa: E402
+from proc_status import process_tree, status_kib  # noqa: E402
 from serving_case import free_port, log_tail, wait_ready  # noqa: E402
 
 # What each request of the mix is, with its weight.
@@ -93,31 +94,8 @@ class RSSSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            rss = sum(_rss(pid) for pid in _process_tree(self.pid))
+            rss = sum(status_kib(pid, "VmRSS") * 1024 for pid in process_tree(self.pid))
             self.samples.append((self.progress(), rss))
-
-
-def _process_tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*"):
-            try:
-                todo += [int(p) for p in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return pids
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def rss_growth(samples: list[tuple[int, int]], warmup: int, total: int) -> dict:

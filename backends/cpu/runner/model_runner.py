@@ -24,6 +24,7 @@ from pagedllm.backends.cpu.runner.architectures import check_supported
 from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
 from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
 from pagedllm.backends.cpu.runner.quantization import describe_quantized, quantize_linears
+from pagedllm.backends.cpu.runner.shard_loading import has_safetensors, meta_model_over_files, to_dtype
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.batch import Batch
@@ -87,6 +88,9 @@ class ModelRunner:
         if quantization == "gguf":
             self.model, weights = load_gguf_model(self.model_dir, self.gguf_file, self.dtype,
                                                   attention.ATTENTION_NAME)
+        elif self.rank is not None and quantization == "none" and has_safetensors(self.model_dir):
+            # this rank's shard read out of the memory-mapped files: the whole model is never in this process
+            self.model, weights = meta_model_over_files(self.model_dir, self.dtype, attention.ATTENTION_NAME), {}
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
@@ -95,6 +99,7 @@ class ModelRunner:
         logger.info("%s", describe_quantized(self.model, quantization, weights))
         if self.rank is not None:
             shard_model(self.model, self.rank)
+            to_dtype(self.model, self.dtype)
         layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
