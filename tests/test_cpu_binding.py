@@ -12,6 +12,7 @@ from pagedllm.backends.common.cpu_binding import (
     plan_ranks,
     plan_threads,
     process_cpus,
+    replica_plans,
 )
 from pagedllm.errors import ConfigError
 
@@ -105,6 +106,17 @@ def test_auto_splits_the_ranks_by_numa_node_then_by_core(tmp_path):
     assert [p.cpus for p in four] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     three = plan_ranks("auto", 3, topology=topo, allowed=set(range(16)))  # not a multiple of the nodes
     assert [p.cpus for p in three] == [[0, 1, 2], [3, 4, 5], [6, 7]] and three[1].warnings
+
+
+def test_data_parallel_replicas_take_their_run_of_the_sets(tmp_path):
+    topo = fake_sysfs(tmp_path)  # node 0: cores 0-3, node 1: cores 4-7
+    auto = [replica_plans("auto", 1, replica, 2, topology=topo, allowed=set(range(16))) for replica in range(2)]
+    assert [[p.cpus for p in plans] for plans in auto] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]  # a NUMA node each
+    # -dp 2 -tp 2 on four explicit sets: replica 1 runs its two ranks on the last two
+    given = replica_plans("0-1|2-3|4-5|6-7", 2, 1, 2, topology=topo, allowed=set(range(16)))
+    assert [p.cpus for p in given] == [[4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match="names 2 CPU sets but there are 4"):
+        replica_plans("0-3|4-7", 2, 0, 2, topology=topo, allowed=set(range(16)))
 
 
 def test_explicit_rank_sets(tmp_path):
