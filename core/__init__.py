@@ -21,6 +21,7 @@ _EXPORTS = {
     "AsyncLLM": "pagedllm.engine.async_llm",
     "AsyncEngineArgs": "pagedllm.config",
     "SamplingParams": "pagedllm.sampling_params",
+    "LoRARequest": "pagedllm.lora_request",
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "PoolingParams": "pagedllm.pooling.params",
     "RequestOutput": "pagedllm.outputs",

@@ -102,6 +102,17 @@ class Backend(abc.ABC):
         """Copy the KV contents of blocks ``src[i]`` into ``dst[i]`` (copy-on-write of shared blocks)."""
         raise NotImplementedError(f"backend {self.name!r} cannot copy KV blocks")
 
+    def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
+        """Load the LoRA adapter in peft's format at ``path`` (``adapter_config.json`` and its safetensors) under
+        ``lora_id``: later batches name it in ``Batch.lora_ids``. Raise ValueError saying what is wrong with an
+        adapter this backend cannot run (a rank above ``max_rank``, a module it cannot adapt). Called only with
+        ``config.enable_lora``; a backend that cannot serve adapters refuses that setting at ``load_model``."""
+        raise NotImplementedError(f"backend {self.name!r} serves no LoRA adapters")
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter no request runs with any more."""
+        raise NotImplementedError(f"backend {self.name!r} serves no LoRA adapters")
+
     def describe(self) -> str:
         """One line for the start-up log: what was chosen (dtype, threads, kernels)."""
         return ""

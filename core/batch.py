@@ -33,6 +33,7 @@ class Batch:
     logits_indices: np.ndarray  # int64 [S]
     num_decodes: int
     block_size: int
+    lora_ids: np.ndarray | None = None  # int32 [B]: each sequence's adapter (0: none); None when no sequence has one
 
     @property
     def num_seqs(self) -> int:

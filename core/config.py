@@ -127,6 +127,13 @@ SETTINGS: tuple[Setting, ...] = (
             "on its own CPU set (VLLM_CPU_OMP_THREADS_BIND sets split by '|', replica by replica; auto splits the "
             "cores), each with its own KV cache of --kv-cache-space; requests go to the replica holding their "
             "prefix, else to the least busy (serve only)", short_flag="-dp"),
+    Setting("enable_lora", bool, False, "serve LoRA adapters (peft's format) beside the base model: requests name "
+            "one (the server's --lora-modules, LLM.generate(lora_request=...)), a step mixes requests of several"),
+    Setting("max_loras", int, 1, "most adapters among the requests running at once (vLLM's; a request of another "
+            "adapter waits)"),
+    Setting("max_lora_rank", int, 16, "largest adapter rank accepted"),
+    Setting("max_cpu_loras", int, None, "most adapters kept loaded; the least recently used one that no request "
+            "runs with is unloaded for a new one", shown_default="max_loras"),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "
@@ -173,6 +180,10 @@ class EngineArgs:
     batch_invariant: bool | None = None
     data_parallel_size: int | None = None
     data_parallel_rank: int | None = None  # set for each replica by the data-parallel front
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
     max_waiting_requests: int | None = None
     max_consecutive_step_failures: int | None = None
     max_logprobs: int | None = None
@@ -229,6 +240,10 @@ class EngineConfig:
     batch_invariant: bool = False
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # which replica this engine is
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     max_waiting_requests: int | None = None  # None: unbounded
     max_consecutive_step_failures: int = 3
     max_logprobs: int = 20
@@ -366,12 +381,16 @@ def _check_values(values: dict[str, Any], sources: dict[str, str]) -> None:
         if s.choices and values[s.name] not in s.choices:
             raise ConfigError(f"{where(s.name)}: {s.name} {values[s.name]!r} is not one of {', '.join(s.choices)}")
     for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "block_size",
-                 "max_model_len", "data_parallel_size", "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
+                 "max_model_len", "data_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 "max_waiting_requests", "max_consecutive_step_failures", "structured_outputs_max_bytes"):
         if values[name] is not None and values[name] < 1:
             raise ConfigError(f"{where(name)}: {name} must be a positive integer, got {values[name]}")
     for name in ("max_logprobs", "max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
         if values[name] < 0:
             raise ConfigError(f"{where(name)}: {name} must be 0 or more, got {values[name]}")
+    if values["max_cpu_loras"] is not None and values["max_cpu_loras"] < values["max_loras"]:
+        raise ConfigError(f"max_cpu_loras ({values['max_cpu_loras']}) must be at least max_loras "
+                          f"({values['max_loras']}): the adapters of the requests running at once stay loaded")
     if not values["structured_outputs_compile_timeout"] > 0:
         raise ConfigError(f"{where('structured_outputs_compile_timeout')}: the compile timeout must be more than 0 "
                           f"seconds")

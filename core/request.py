@@ -72,6 +72,9 @@ class Request:
         self.num_proposed = 0  # speculative decoding: this request's proposed tokens, and of them accepted
         self.num_accepted = 0
         self.num_draft_computed = 0  # positions whose draft-model KV is in the cache (engine.draft_model)
+        lora = params.lora_request
+        self.lora_id = 0 if lora is None else lora.lora_int_id  # 0: the base model
+        self.cache_root: int | None = None  # where its prefix-cache chain starts (the KV manager's to set)
 
     @property
     def num_tokens(self) -> int:

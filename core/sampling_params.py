@@ -7,6 +7,7 @@ import json
 import math
 
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora_request import LoRARequest
 
 _GREEDY_EPS = 1e-5
 # Every integer crosses to the engine core as MessagePack and into torch tensors: both take a signed 64-bit one.
@@ -140,6 +141,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be generated
     bad_words: list[str] | None = None  # words never generated (each as the tokenizer writes it, with or without
     # a leading space)
+    lora_request: LoRARequest | None = None  # the adapter to run with: set by generate(lora_request=...) and by the
+    # server from a request's model name
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,5 +1,5 @@
 from pagedllm.kv.kv_cache_manager import KVCacheManager
-from pagedllm.kv.prefix_cache import PrefixCache, chain_hashes
+from pagedllm.kv.prefix_cache import PrefixCache, chain_hashes, root_hash
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ def test_a_hash_collision_is_a_miss():
     cache = PrefixCache(BS)
     tokens = [1, 2, 3, 4]
     (h,) = chain_hashes(tokens, BS, [])
-    cache.insert(7, h, None, tokens)
+    cache.insert(7, h, root_hash(), tokens)
     assert cache.lookup([h], tokens) == [7]
     assert cache.lookup([h], [1, 2, 3, 5]) == []  # same hash, other tokens
 
@@ -98,3 +98,23 @@ def test_a_preempted_request_withdraws_what_it_published_this_step():
     kv.allocate_slots(a, 10)
     kv.unpublish_step(a)
     assert len(kv.prefix_cache) == 0 and a.num_cached_blocks == 0
+
+
+def test_adapters_never_share_blocks_with_each_other_or_the_base_model():
+    from pagedllm.lora_request import LoRARequest
+    from pagedllm.request import Request
+    from pagedllm.sampling_params import SamplingParams
+
+    kv = KVCacheManager(num_blocks=20, block_size=BS, enable_prefix_caching=True)
+
+    def request(rid, lora=None):
+        return Request(rid, list(range(10)), SamplingParams(max_tokens=4, lora_request=lora))
+
+    a, a_again = LoRARequest("a", 1, "/adapters/a"), LoRARequest("a", 1, "/adapters/a")
+    run_prefill(kv, request("base"))
+    assert kv.get_computed_blocks(request("lora", a)) == []  # the same text under an adapter: other KV
+    run_prefill(kv, request("lora", a))
+    assert len(kv.get_computed_blocks(request("lora-again", a_again))) == 2
+    assert kv.get_computed_blocks(request("b", LoRARequest("b", 2, "/adapters/b"))) == []
+    assert kv.get_computed_blocks(request("a-reloaded", LoRARequest("a", 1, "/adapters/a-v2"))) == []
+    assert len(kv.get_computed_blocks(request("base-again"))) == 2

@@ -130,7 +130,13 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 def _hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return greedy_generate(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), prompts,
+                           max_new_tokens)
+
+
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """A transformers (or peft) model's greedy continuations, one prompt at a time, the end token a token like the
+    others (as ignore_eos)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []

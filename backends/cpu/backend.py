@@ -129,6 +129,9 @@ class CPUBackend(Backend):
         residual = torch.float32 if self.config.backend_options["residual_dtype"] == "float32" else self.dtype
         if self.config.runner == "pooling":
             return self._load_encoder()
+        if self.config.enable_lora and self.tensor_parallel:
+            raise ConfigError("--enable-lora runs on one rank here: drop --tensor-parallel-size (adapters are not "
+                              "sharded over tensor-parallel ranks)")
         if self.tensor_parallel:
             return self._start_ranks(residual)
         logger.info("threads: %s", self.thread_plan.describe())
@@ -144,7 +147,7 @@ class CPUBackend(Backend):
                                   ThreadBinder(self.thread_plan, kernels), kernels, residual,
                                   quantization=self.quantization, gguf_file=self._gguf_file(),
                                   batch_invariant=self.config.batch_invariant,
-                                  int8_activations=self.int8_activations)
+                                  int8_activations=self.int8_activations, enable_lora=self.config.enable_lora)
         return self.runner.load()
 
     def _load_encoder(self) -> ModelInfo:
@@ -216,6 +219,12 @@ class CPUBackend(Backend):
 
     def execute(self, batch: Batch) -> torch.Tensor:
         return self.runner.execute(batch)
+
+    def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
+        self.runner.add_lora(lora_id, path, max_rank)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.runner.remove_lora(lora_id)
 
     def bound_cpus(self) -> list[int] | None:
         return list(self.thread_plan.cpus) if self.thread_plan.cpus is not None else None

@@ -81,6 +81,11 @@ class OpenVINOBackend(Backend):
             # its model is optimum-intel's text-generation export turned into a paged one: no hidden-state output
             raise ConfigError("the openvino backend has no pooling runner (embeddings): run the model with "
                               "--backend cpu")
+        if self.config.enable_lora:
+            # optimum-intel's export bakes the weights into the graph as constants; OpenVINO GenAI's adapters patch
+            # its own pipeline's graph, not the paged-attention model this backend compiles
+            raise ConfigError("the openvino backend serves no LoRA adapters: its exported graph holds the weights "
+                              "as constants; run --enable-lora with --backend cpu")
         import openvino as ov
         from transformers import AutoConfig
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm import tqdm
@@ -10,6 +11,7 @@ from pagedllm.config import EngineArgs, setting_value
 from pagedllm.engine.input_processing import PromptType, render_chat
 from pagedllm.engine.sync_client import make_engine_client
 from pagedllm.errors import ConfigError
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.outputs import (
     CompletionOutput,
@@ -60,9 +62,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or token-id list is one prompt. ``priority``, one
-        per prompt, orders them under ``scheduling_policy="priority"`` (lower first)."""
+        per prompt, orders them under ``scheduling_policy="priority"`` (lower first). ``lora_request``: the adapter
+        of every prompt, or one per prompt (None for the base model), with ``enable_lora=True``."""
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -70,6 +74,11 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        if lora_request is not None:
+            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+            params_list = [dataclasses.replace(p, lora_request=lora) for p, lora in zip(params_list, loras)]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priorities)} priorities")
@@ -79,14 +88,15 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or to several, as vLLM's
         ``LLM.chat``: ``tools`` (OpenAI's shape) and ``chat_template_kwargs`` reach the chat template;
         ``continue_final_message`` goes on writing the last (assistant) message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(conv, chat_template, add_generation_prompt, continue_final_message,
                                             tools, chat_template_kwargs) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

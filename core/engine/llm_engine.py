@@ -24,6 +24,7 @@ from pagedllm.engine.arg_utils import setting_owners
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.draft_model import DraftModel, draft_config
 from pagedllm.engine.input_processing import PromptType, tokenize_prompt
+from pagedllm.engine.lora_adapters import LoadedAdapters
 from pagedllm.engine.stats import EngineStats
 from pagedllm.errors import BackendDeadError, ConfigError, InvalidRequestError, QueueFullError, client_message
 from pagedllm.kv.kv_cache_manager import KVCacheManager
@@ -66,7 +67,8 @@ class LLMEngine:
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduling_policy, self.speculative,
-                                   config.max_model_len, config.long_prefill_token_threshold)
+                                   config.max_model_len, config.long_prefill_token_threshold,
+                                   config.max_loras if config.enable_lora else None)
         self.batch_builder = BatchBuilder(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(tokenizer, source)
@@ -83,6 +85,7 @@ class LLMEngine:
         # the pooling runner (--runner pooling): the engine serves pooling requests only, with no KV cache
         self.pooling = None if pooler is None else PoolingRunner(backend, pooler, config.max_num_batched_tokens,
                                                                  config.max_num_seqs)
+        self.adapters = LoadedAdapters(backend, config)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -202,6 +205,8 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self._check_request(token_ids, params)
         self._check_priority(priority)
+        if params.lora_request is not None:
+            self.adapters.ensure(params.lora_request, self._adapters_in_use())
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         future = None
         if params.structured_outputs is not None and not wait_for_grammar:
@@ -218,6 +223,10 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self._counters.prompt_tokens += len(token_ids)
         return request_id
+
+    def _adapters_in_use(self) -> set[int]:
+        in_use = {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
+        return in_use | {r.lora_id for r, _, _ in self._compiling.values() if r.lora_id}
 
     def _add_pooling_request(self, request_id: str | None, prompt: PromptType, params,
                              arrival_time: float | None) -> str:

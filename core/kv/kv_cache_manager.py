@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pagedllm.kv.block_allocator import BlockAllocator
-from pagedllm.kv.prefix_cache import PrefixCache, chain_hashes
+from pagedllm.kv.prefix_cache import PrefixCache, chain_hashes, root_hash
 from pagedllm.request import Request
 from pagedllm.utils import cdiv
 
@@ -29,9 +29,9 @@ class KVCacheManager:
         must be computed to have logits to sample from). None for a request that needs its prompt's logits."""
         if self.prefix_cache is None or request.num_computed_tokens > 0 or request.needs_prompt_logprobs:
             return []
-        chain_hashes(request.all_token_ids, self.block_size, request.block_hashes)
+        chain_hashes(request.all_token_ids, self.block_size, request.block_hashes, root=_root(request))
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.lookup(request.block_hashes[:max_blocks], request.all_token_ids)
+        return self.prefix_cache.lookup(request.block_hashes[:max_blocks], request.all_token_ids, _root(request))
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -79,10 +79,10 @@ class KVCacheManager:
         if num_full <= request.num_cached_blocks:
             return
         bs = self.block_size
-        hashes = chain_hashes(request.all_token_ids, bs, request.block_hashes, num_full * bs)
+        hashes = chain_hashes(request.all_token_ids, bs, request.block_hashes, num_full * bs, _root(request))
         tokens = request.all_token_ids
         for i in range(request.num_cached_blocks, num_full):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else _root(request)
             self.prefix_cache.insert(request.block_ids[i], hashes[i], parent, tokens[i * bs:(i + 1) * bs])
         request.num_cached_blocks = num_full
 
@@ -122,3 +122,10 @@ class KVCacheManager:
             return 0.0
         held = sum(min(r.num_computed_tokens, len(r.block_ids) * block_size) for r in requests)
         return (allocated - held) / allocated
+
+
+def _root(request: Request) -> int:
+    """Where the request's chain of block hashes starts: one adapter's blocks are its own (see root_hash)."""
+    if request.cache_root is None:
+        request.cache_root = root_hash(request.params.lora_request)
+    return request.cache_root

@@ -12,11 +12,19 @@ from typing import Sequence
 _ROOT_HASH = 0x5A17ED
 
 
+def root_hash(lora_request=None) -> int:
+    """Where a request's chain of block hashes starts: the base model's root, or one of the adapter's own (its
+    name, id and path: an id loaded again with other weights starts another chain)."""
+    if lora_request is None:
+        return _ROOT_HASH
+    return hash((_ROOT_HASH, lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path))
+
+
 def chain_hashes(token_ids: Sequence[int], block_size: int, hashes: list[int],
-                 num_tokens: int | None = None) -> list[int]:
+                 num_tokens: int | None = None, root: int = _ROOT_HASH) -> list[int]:
     """Extend ``hashes`` (in place) to cover every full block of the first ``num_tokens`` (default:
-    all) of ``token_ids``; return it."""
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    all) of ``token_ids``, the chain starting at ``root``; return it."""
+    parent = hashes[-1] if hashes else root
     end = len(token_ids) if num_tokens is None else num_tokens
     for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
@@ -35,10 +43,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._block_of)
 
-    def lookup(self, hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix among the given full-block hashes."""
+    def lookup(self, hashes: Sequence[int], token_ids: Sequence[int], root: int = _ROOT_HASH) -> list[int]:
+        """Block ids of the longest cached prefix among the given full-block hashes (chained from ``root``)."""
         blocks: list[int] = []
-        parent = _ROOT_HASH
+        parent = root
         bs = self.block_size
         for i, h in enumerate(hashes):
             block = self._block_of.get(h)
@@ -55,12 +63,13 @@ class PrefixCache:
         self.queries += num_queried_tokens
         self.hits += num_hit_tokens
 
-    def insert(self, block: int, block_hash: int, parent_hash: int | None, tokens: Sequence[int]) -> None:
-        """Publish a full block. If the same content is already cached in another block, keep that one."""
+    def insert(self, block: int, block_hash: int, parent_hash: int, tokens: Sequence[int]) -> None:
+        """Publish a full block (``parent_hash``: the previous block's, or the chain's root for the first). If the
+        same content is already cached in another block, keep that one."""
         if block_hash in self._block_of or block in self._key_of:
             return
         self._block_of[block_hash] = block
-        self._key_of[block] = (block_hash, _ROOT_HASH if parent_hash is None else parent_hash, tuple(tokens))
+        self._key_of[block] = (block_hash, parent_hash, tuple(tokens))
 
     def holds(self, block: int) -> bool:
         """Whether the block's content is published (a later request may hit it)."""

@@ -146,5 +146,7 @@ class BatchBuilder:
             logits_indices=np.asarray(logits_indices, dtype=np.int64),
             num_decodes=int(np.count_nonzero(q_lens == 1)),
             block_size=bs,
+            lora_ids=(np.fromiter((item.request.lora_id for item in order), dtype=np.int32, count=num_seqs)
+                      if any(item.request.lora_id for item in order) else None),
         )
         return batch, order, rows_for

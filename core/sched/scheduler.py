@@ -53,7 +53,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, policy: str = "fcfs", speculative: SpeculativeConfig | None = None,
-                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None) -> None:
+                 max_model_len: int | None = None, long_prefill_token_threshold: int | None = None,
+                 max_loras: int | None = None) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +63,7 @@ class Scheduler:
         self.speculative = speculative
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.max_loras = max_loras  # most adapters among the running requests (None: no bound)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -200,10 +202,14 @@ class Scheduler:
 
         # seats: running sequences, and the siblings that running n > 1 requests will fork once their prompt is in
         seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
+        adapters = {r.lora_id for r in self.running if r.lora_id} if self.max_loras is not None else set()
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if seats + 1 + request.num_pending_forks > self.max_num_seqs:
                 break
+            if (self.max_loras is not None and request.lora_id and request.lora_id not in adapters
+                    and len(adapters) >= self.max_loras):
+                break  # another adapter would exceed max_loras: it waits for one to finish
             cached = self.kv.get_computed_blocks(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new = self._chunk(request, request.num_tokens - num_cached_tokens)
@@ -221,6 +227,8 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
                 request.num_cached_tokens = num_cached_tokens
             self.running.append(request)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             seats += 1 + request.num_pending_forks
             scheduled[request.request_id] = ScheduledRequest(request, num_new, new_blocks)
             budget -= num_new

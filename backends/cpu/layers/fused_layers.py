@@ -64,9 +64,11 @@ def _concatenated(*linears: torch.nn.Linear) -> torch.nn.Linear:
     return fused
 
 
-def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: torch.dtype) -> int:
+def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: torch.dtype,
+                             fuse_silu: bool = True) -> int:
     """Give every qualifying decoder layer the fused forward; returns how many. Call before packing the linears,
-    so that the concatenated ones are packed too."""
+    so that the concatenated ones are packed too. ``fuse_silu`` lets gate/up take SiLU-and-multiply in their GEMM's
+    epilogue (not with LoRA adapters, which add to gate and up before it)."""
     if kernels is None:
         return 0
     llama = _llama_code()
@@ -80,7 +82,10 @@ def use_fused_decoder_layers(model: torch.nn.Module, kernels, residual_dtype: to
         widths = (attn.q_proj.out_features, attn.k_proj.out_features, mlp.gate_proj.out_features)
         attn.qkv_proj = _concatenated(attn.q_proj, attn.k_proj, attn.v_proj)
         mlp.gate_up_proj = _concatenated(mlp.gate_proj, mlp.up_proj)
-        setattr(mlp.gate_up_proj, SWIGLU_GATE_UP, True)
+        attn.qkv_proj_widths = (widths[0], widths[1], widths[1])  # the parts' columns, for LoRA adapters
+        mlp.gate_up_proj_widths = (widths[2], widths[2])
+        if fuse_silu:
+            setattr(mlp.gate_up_proj, SWIGLU_GATE_UP, True)
         del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # the weights are held once
         for part in (attn, mlp, layer.input_layernorm, layer.post_attention_layernorm):
             setattr(part, INSIDE_FUSED_LAYER, True)

@@ -15,6 +15,7 @@ from pagedllm.backend import ModelInfo
 from pagedllm.backends.common.memory import blocks_to_commit
 from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
+from pagedllm.backends.cpu.layers.lora import StepAdapters, load_adapter, wrap_projections
 from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
 from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, quantized_path
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
@@ -53,8 +54,11 @@ class ModelRunner:
     def __init__(self, model_dir: str, dtype: torch.dtype, cache_kind: str, cache_dtype: torch.dtype,
                  binder: ThreadBinder, kernels=None, residual_dtype: torch.dtype | None = None,
                  rank: Rank | None = None, quantization: str = "none", gguf_file: str | None = None,
-                 batch_invariant: bool = False, int8_activations: bool = False) -> None:
+                 batch_invariant: bool = False, int8_activations: bool = False, enable_lora: bool = False) -> None:
         self.model_dir = model_dir
+        self.enable_lora = enable_lora
+        self.lora_step = StepAdapters()
+        self.lora_targets: dict = {}  # projection as peft names it -> (its LoRA layer, columns)
         self.quantization = quantization  # resolved: "none", "gguf", "q8_0", "q4_0" or "int8"
         self.gguf_file = gguf_file
         self.batch_invariant = batch_invariant
@@ -100,10 +104,15 @@ class ModelRunner:
         if self.rank is not None:
             shard_model(self.model, self.rank)
             to_dtype(self.model, self.dtype)
-        layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype)
+        layers = use_fused_decoder_layers(self.model, self.kernels, self.residual_dtype,
+                                          fuse_silu=not self.enable_lora)
         if layers:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
+        if self.enable_lora:
+            self.lora_targets = wrap_projections(self.model, self.lora_step)
+            logger.info("LoRA: %d projections take adapters (each adapter's low-rank product on its own rows after "
+                        "the base GEMM)", len(self.lora_targets))
         packed = use_packed_linears(self.model, self.kernels, self.batch_invariant, self.int8_activations)
         head_in_float32 = float32_logits(self.model)
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
@@ -154,6 +163,8 @@ class ModelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         self.binder.ensure_bound()
         metadata = attention.PagedAttentionMetadata(batch, self.kv_caches, self.kernels, self.batch_invariant)
+        if self.enable_lora:
+            self.lora_step.set(batch.lora_ids, batch.query_start_loc)
         out = self.model(
             input_ids=torch.from_numpy(batch.input_ids).unsqueeze(0),
             position_ids=torch.from_numpy(batch.positions).unsqueeze(0),
@@ -162,6 +173,14 @@ class ModelRunner:
             paged_metadata=metadata,
         )
         return out.logits[0].float()
+
+    def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
+        for wrapper, part in load_adapter(path, self.lora_targets, max_rank, self.dtype):
+            wrapper.adapters.setdefault(lora_id, []).append(part)
+
+    def remove_lora(self, lora_id: int) -> None:
+        for wrapper, _, _ in self.lora_targets.values():
+            wrapper.adapters.pop(lora_id, None)
 
     @torch.inference_mode()
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

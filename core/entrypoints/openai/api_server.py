@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.embeddings import (
     create_score,
 )
 from pagedllm.entrypoints.openai.errors import OpenAIError, install_error_handlers, queue_full
+from pagedllm.entrypoints.openai.lora_modules import RUNTIME_UPDATES_ENV, LoRAModules
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
@@ -39,7 +40,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     check_text_fields,
 )
 from pagedllm.entrypoints.openai.serving import ServingContext, system_fingerprint
@@ -58,6 +61,7 @@ FLUSH_SECONDS = 5.0
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     source, engine_config = engine.engine.source, engine.engine.config
     model_names = config.served_model_names or [source.name]
+    adapters = lora_modules(engine_config, config, model_names)
     prompts = PromptBuilder(lambda: load_tokenizer(source), engine_config.max_model_len,
                             engine.engine.model_info.vocab_size, config.chat_template,
                             config.max_prompts_per_request)
@@ -67,7 +71,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
                          system_fingerprint=system_fingerprint(__version__, engine_config.backend,
                                                                engine.engine.model_info.dtype, source.path,
                                                                sorted(engine_config.backend_options.items())),
-                         reasoning_parser=config.reasoning_parser)
+                         reasoning_parser=config.reasoning_parser, adapters=adapters)
     metrics = ServerMetrics(engine, model_names[0])
     engine.on_step = metrics.observe
     started = int(time.time())
@@ -114,7 +118,25 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "pagedllm", "root": source.name,
-             "parent": None, "max_model_len": engine_config.max_model_len} for name in model_names]}
+             "parent": None, "max_model_len": engine_config.max_model_len} for name in model_names] + [
+            {"id": name, "object": "model", "created": started, "owned_by": "pagedllm", "root": name,
+             "parent": model_names[0], "max_model_len": engine_config.max_model_len}
+            for name in (adapters.names() if adapters is not None else [])]}
+
+    if adapters is not None and os.environ.get(RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true"):
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            check_text_fields(body)
+            adapters.add(body.lora_name, body.lora_path)
+            logger.info("LoRA adapter %r added from %s", body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            check_text_fields(body)
+            adapters.remove(body.lora_name)  # its weights leave the engine when another adapter needs the room
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -168,6 +190,21 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"prompt": await prompts.run(lambda: prompts.tokenizer.decode(body.tokens))})
 
     return app
+
+
+def lora_modules(engine_config, config: ServerConfig, model_names: list[str]) -> LoRAModules | None:
+    """The adapters of --lora-modules (None without --enable-lora); ConfigError for adapters without it."""
+    if not engine_config.enable_lora:
+        if config.lora_modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None
+    adapters = LoRAModules(model_names)
+    for name, path in config.lora_modules:
+        try:
+            adapters.add(name, path)
+        except OpenAIError as exc:
+            raise ConfigError(f"--lora-modules {name}={path}: {exc.message}") from None
+    return adapters
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.tool_calls import ToolCalling
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
     body.check_supported("/v1/chat/completions")
-    model = ctx.check_model(body.model)
+    model = ctx.check_model(body.model, adapters=True)
     max_tokens = body.requested_max_tokens
     tools = ToolCalling.for_request(body, ctx.tool_call_parser)
     constraint, constraint_field = body.structured_outputs_params()
@@ -29,7 +29,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                    f"{body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'}",
                               param=constraint_field)
         constraint, constraint_field = tool_constraint, "tools"
-    params = body.sampling_params(max_tokens, body.num_logprobs, constraint, defaults=ctx.sampling_defaults)
+    params = ctx.with_adapter(model, body.sampling_params(max_tokens, body.num_logprobs, constraint,
+                                                          defaults=ctx.sampling_defaults))
     if tools is not None and tools.mode == "auto" and body.skip_special_tokens is None:
         params.skip_special_tokens = False  # as vLLM: hermes models may mark <tool_call> special, the parser needs it
     prompt = await ctx.prompts.run(ctx.prompts.chat_prompt, body.messages,

@@ -76,6 +76,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates to check client certificates")
     server.add_argument("--ssl-cert-reqs", type=int, default=0,
                         help="TLS: whether a client certificate is required (Python's ssl.CERT_* value; default 0)")
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help="adapters in peft's format, each served as a model of its own name (or as vLLM's JSON: "
+                           '{"name": ..., "path": ...}); with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, '
+                           "/v1/load_lora_adapter and /v1/unload_lora_adapter change them while serving")
     tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let chat requests with tools use tool_choice "auto" (the default with tools): the '
@@ -123,6 +128,7 @@ class ServerConfig:
     ssl: dict = dataclasses.field(default_factory=dict)  # uvicorn's ssl_* arguments
     reasoning_parser: str | None = None
     iteration_timeout: float = 60.0  # /health answers 503 after this long without a step while requests run
+    lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, path)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, environ=None) -> "ServerConfig":
@@ -175,7 +181,22 @@ class ServerConfig:
                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                    iteration_timeout=iteration_timeout, root_path=args.root_path or "",
                    uvicorn_log_level=args.uvicorn_log_level, cors=cors, ssl=ssl,
-                   reasoning_parser=args.reasoning_parser)
+                   reasoning_parser=args.reasoning_parser,
+                   lora_modules=[parse_lora_module(m) for m in args.lora_modules or []])
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"--lora-modules {text!r}: the JSON form is {{\"name\": ..., \"path\": ...}}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules {text!r}: give NAME=PATH (or JSON with name and path)")
+    return name, path
 
 
 def load_chat_template(value: str | None) -> str | None:

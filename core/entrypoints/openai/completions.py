@@ -23,13 +23,14 @@ from pagedllm.outputs import RequestOutput
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     body.check_supported("/v1/completions")
-    model = ctx.check_model(body.model)
+    model = ctx.check_model(body.model, adapters=True)
     constraint, constraint_field = body.structured_outputs_params()
     # max_tokens 0 with echo scores the prompt only (what lm-eval's loglikelihood asks): as vLLM, one token is
     # generated and left out of the answer.
     max_tokens = 1 if body.prompt_only else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs, constraint,
                                   prompt_logprobs=body.logprobs if body.echo else None, defaults=ctx.sampling_defaults)
+    params = ctx.with_adapter(model, params)
     prompts = await ctx.prompts.run(ctx.prompts.completion_prompts, body.prompt)
     if not body.prompt_only:
         for prompt in prompts:

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 
 from pagedllm.engine.async_llm import AsyncLLMEngine, EngineDeadError, OutputStream, RequestFailedError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body
+from pagedllm.entrypoints.openai.lora_modules import LoRAModules
 from pagedllm.entrypoints.openai.prompts import PromptBuilder
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import STRUCTURED_OUTPUTS_PARAM, SamplingParams
@@ -38,15 +39,23 @@ class ServingContext:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)  # the model's generation config's
     system_fingerprint: str = ""
     reasoning_parser: str | None = None
+    adapters: LoRAModules | None = None  # with --enable-lora: the adapters requests may name as their model
 
-    def check_model(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None:
-            return self.model_names[0]
-        if requested not in self.model_names:
-            raise OpenAIError(404, f"the model {requested!r} does not exist; this server serves "
-                                   f"{', '.join(map(repr, self.model_names))}", param="model")
-        return requested
+    def check_model(self, requested: str | None, adapters: bool = False) -> str:
+        """The name to answer with; 404 for a model this server does not serve (an adapter's name counts where
+        ``adapters``: the endpoints that generate)."""
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        if adapters and self.adapters is not None and self.adapters.get(requested) is not None:
+            return requested
+        served = self.model_names + (self.adapters.names() if adapters and self.adapters is not None else [])
+        raise OpenAIError(404, f"the model {requested!r} does not exist; this server serves "
+                               f"{', '.join(map(repr, served))}", param="model")
+
+    def with_adapter(self, model: str, params: SamplingParams) -> SamplingParams:
+        """``params`` to run with the adapter named ``model`` (unchanged for the base model)."""
+        lora = self.adapters.get(model) if self.adapters is not None else None
+        return params if lora is None else dataclasses.replace(params, lora_request=lora)
 
     async def start(self, kind: str, prompts: list[dict], params: SamplingParams,
                     constraint_field: str | None = None, fields: dict[str, str] | None = None,
