@@ -1,7 +1,11 @@
 """LoRA adapters on the decoder layers' projections, several in one batch (as punica and vLLM's LoRA layers do):
-each projection runs its base GEMM once over every row, then each adapter in the step adds its low-rank product
-``scale * (x @ A^T) @ B^T`` to its own requests' rows only. Adapters are in peft's format and target any of q, k,
-v, o, gate, up and down; where those are fused into one GEMM (q/k/v, gate/up) each adds to its slice of the output.
+each projection runs its base GEMM once over every row, then adds ``scale * (x @ A^T) @ B^T`` of each row's own
+adapter. Each layer keeps its adapters' A and B stacked by slot (the parts of a fused q/k/v or gate/up side by side,
+each B in its own columns); a step gathers each adapter's rows into a padded grid once, and every layer then runs
+two batched GEMMs over it (bmm), whatever the number of adapters: no Python loop over them, no adapter's product
+on another's rows. Adapters are
+in peft's format and target any of q, k, v, o, gate, up and down; where those are fused into one GEMM (q/k/v,
+gate/up) each adds to its slice of the output.
 """
 
 from __future__ import annotations
@@ -13,27 +17,43 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+FLOAT32_ROWS = 512  # steps with up to this many adapter rows compute the low-rank products in float32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class StepAdapters:
-    """The current step's rows of each adapter, shared by every LoRA layer of a model: [(lora id, token rows)]."""
+    """What every LoRA layer of a model needs of the current step, made once per step: the rows of each adapter in
+    it, gathered into a padded [adapters, rows] grid, and each adapter's slot in the layers' stacked weights."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.slots: dict[int, int] = {}  # lora id -> its slot in every layer's stacks (the runner assigns them)
+        self.active = False
+        self.slot_index = self.gather = self.valid = self.rows = None
+        self.shape = (0, 0)
 
     def set(self, lora_ids, query_start_loc) -> None:
         """From a batch's ``lora_ids`` (per sequence, 0 for none) and ``query_start_loc``."""
-        self.groups = []
+        self.active = False
         if lora_ids is None:
             return
         starts = query_start_loc.tolist()
         rows: dict[int, list[int]] = {}
         for seq, lora_id in enumerate(lora_ids.tolist()):
-            if lora_id:
+            if lora_id and lora_id in self.slots:
                 rows.setdefault(lora_id, []).extend(range(starts[seq], starts[seq + 1]))
-        self.groups = [(lora_id, torch.tensor(r, dtype=torch.long)) for lora_id, r in rows.items()]
+        if not rows:
+            return
+        longest = max(map(len, rows.values()))
+        grid = [r + [r[0]] * (longest - len(r)) for r in rows.values()]  # padding repeats a row: dropped after
+        self.shape = (len(rows), longest)
+        slots = [self.slots[lora_id] for lora_id in rows]
+        self.slot_index = None if slots == list(range(len(self.slots))) else torch.tensor(slots)  # None: all, in order
+        self.gather = torch.tensor(grid).view(-1)
+        self.valid = torch.tensor([g * longest + i for g, r in enumerate(rows.values()) for i in range(len(r))])
+        self.rows = torch.tensor([row for r in rows.values() for row in r])
+        self.padded = len(self.valid) != len(self.gather)
+        self.active = True
 
 
 class LoRALinear(torch.nn.Module):
@@ -45,22 +65,52 @@ class LoRALinear(torch.nn.Module):
         self.base = base
         self.slices = slices
         self.step = step
+        self.in_features = base.in_features
+        self.out_features = max(end for _, end in slices.values())
         # lora id -> [(first column, end column, A [rank, in], B [columns, rank], scale)]
         self.adapters: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, float]]] = {}
+        # per dtype: [slots, in, rank], every adapter's A of every part side by side; [slots, rank, out], each part's
+        # B in its columns, times its scale
+        self._stacks: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set_adapter(self, lora_id: int, parts: list | None, dtype: torch.dtype) -> None:
+        """Attach an adapter's parts (None: remove it); the stacks are made again from the slots in use."""
+        if parts is None:
+            self.adapters.pop(lora_id, None)
+        else:
+            self.adapters[lora_id] = parts
+        self._stacks = {}
+        if not any(self.adapters.values()):
+            return
+        slots = max(self.step.slots.values()) + 1
+        rank = max(sum(a.shape[0] for _, _, a, _, _ in ps) for ps in self.adapters.values())
+        a_stack = torch.zeros(slots, self.in_features, rank, dtype=torch.float32)
+        b_stack = torch.zeros(slots, rank, self.out_features, dtype=torch.float32)
+        for adapter_id, adapter_parts in self.adapters.items():
+            slot, column = self.step.slots[adapter_id], 0
+            for start, end, a, b, scale in adapter_parts:
+                a_stack[slot, :, column:column + a.shape[0]] = a.t()
+                b_stack[slot, column:column + a.shape[0], start:end] = b.t() * scale
+                column += a.shape[0]
+        # float32 for steps of few rows (torch's small bf16 GEMMs are slow on CPUs), the model's dtype for large ones
+        self._stacks = {torch.float32: (a_stack, b_stack), dtype: (a_stack.to(dtype), b_stack.to(dtype))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base.forward(x)
-        if not self.step.groups or not self.adapters:
+        step = self.step
+        if not step.active or not self._stacks:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        for lora_id, rows in self.step.groups:
-            parts = self.adapters.get(lora_id)
-            if not parts:
-                continue
-            xs = flat_x.index_select(0, rows)
-            for start, end, a, b, scale in parts:
-                delta = (xs @ a.t()) @ b.t() * scale
-                flat_out[:, start:end].index_add_(0, rows, delta.to(out.dtype))
+        groups, longest = step.shape
+        dtype = torch.float32 if groups * longest <= FLOAT32_ROWS else x.dtype
+        a, b = self._stacks[dtype]
+        if step.slot_index is not None:
+            a, b = a.index_select(0, step.slot_index), b.index_select(0, step.slot_index)
+        xs = flat_x.index_select(0, step.gather).view(groups, longest, -1).to(dtype)
+        delta = torch.bmm(torch.bmm(xs, a), b).view(groups * longest, -1)
+        if step.padded:
+            delta = delta.index_select(0, step.valid)
+        flat_out.index_add_(0, step.rows, delta.to(out.dtype))
         return out
 
 

@@ -175,12 +175,21 @@ class ModelRunner:
         return out.logits[0].float()
 
     def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
+        parts: dict = {}
         for wrapper, part in load_adapter(path, self.lora_targets, max_rank, self.dtype):
-            wrapper.adapters.setdefault(lora_id, []).append(part)
+            parts.setdefault(wrapper, []).append(part)
+        slots = self.lora_step.slots
+        slots[lora_id] = min(set(range(len(slots) + 1)) - set(slots.values()))
+        for wrapper in self._lora_layers():
+            wrapper.set_adapter(lora_id, parts.get(wrapper, []), self.dtype)
 
     def remove_lora(self, lora_id: int) -> None:
-        for wrapper, _, _ in self.lora_targets.values():
-            wrapper.adapters.pop(lora_id, None)
+        for wrapper in self._lora_layers():
+            wrapper.set_adapter(lora_id, None, self.dtype)
+        self.lora_step.slots.pop(lora_id, None)
+
+    def _lora_layers(self) -> list:
+        return list({id(w): w for w, _, _ in self.lora_targets.values()}.values())
 
     @torch.inference_mode()
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
