@@ -16,6 +16,9 @@ heavy request of each kind (a prompt at the model's length, scored or not, a slo
 of prompts). The soak fails if a small request beside a long prompt or a slow grammar waited half as long as that
 heavy request took: it was held behind it.
 
+With ``--mix pooling`` the requests are an embedding model's (``-- --runner pooling``): embeddings of one input or
+several, base64, Matryoshka dimensions, scores, reranking, bad fields and inputs too long.
+
     python benchmarks/soak.py --requests 2000                   # the embedded SmolLM2
     python benchmarks/soak.py MODEL --requests 300 -- --dtype float32 --max-num-seqs 8
 
@@ -56,6 +59,12 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
          "city river paris london music science history water light north south story").split()
 # Heavy requests a small one must not wait behind (a list of prompts is served first come, first served, as vLLM).
 HELD_KINDS = ("long_prompt", "scored_long_prompt", "slow_grammar")
+# The mix for an embedding model (--mix pooling): /v1/embeddings with one input or several, float or base64,
+# Matryoshka dimensions; /v1/score; /v1/rerank; bad parameters and inputs too long, which must get a 400.
+POOLING_KINDS = {"embed": 25, "embed_list": 15, "embed_base64": 10, "embed_dimensions": 8, "score": 12,
+                 "rerank": 12, "bad_embed": 10, "oversize_embed": 8}
+BAD_EMBED = [{"dimensions": 0}, {"encoding_format": "hex"}, {"input": []}, {"input": [[]]}, {"dimensions": 2 ** 40},
+             {"input": 5}]
 # A bounded KV cache: its pages are faulted in as blocks are first used, which is growth by design, not a leak.
 DEFAULT_SERVER_ARGS = ["--max-num-seqs", "16", "--enable-prefix-caching", "--kv-cache-space", "0.5"]
 # oneDNN's primitive cache and ideep's descriptor cache keep ~0.27 MB per linear shape and token count, up to 1024
@@ -114,20 +123,23 @@ def rss_growth(samples: list[tuple[int, int]], warmup: int, total: int) -> dict:
 
 
 class Soak:
-    def __init__(self, http: httpx.AsyncClient, model: str, max_model_len: int, seed: int) -> None:
+    def __init__(self, http: httpx.AsyncClient, model: str, max_model_len: int, seed: int,
+                 kinds: dict[str, int] = KINDS) -> None:
         self.http, self.model, self.max_model_len = http, model, max_model_len
         self.rng = random.Random(seed)
+        self.kinds = kinds
 
     def prompt(self) -> str:
         return " ".join(self.rng.choices(WORDS, k=self.rng.randint(1, 40)))
 
     def plan(self, count: int) -> list[tuple[str, dict]]:
         """The requests, in order: (kind, its arguments), drawn from the seeded generator."""
-        kinds = self.rng.choices(list(KINDS), weights=list(KINDS.values()), k=count)
+        kinds = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()), k=count)
         return [(kind, {"prompt": self.prompt(), "max_tokens": self.rng.randint(1, 32),
                         "drop_after": self.rng.randint(1, 4), "bad": self.rng.choice(BAD_PARAMS),
                         "n": self.rng.randint(2, 3), "seed": self.rng.randint(0, 2 ** 31),
-                        "stop": self.rng.choice(WORDS[:10])}) for kind in kinds]
+                        "stop": self.rng.choice(WORDS[:10]), "inputs": [self.prompt() for _ in range(8)],
+                        "bad_embed": self.rng.choice(BAD_EMBED)}) for kind in kinds]
 
     async def run(self, kind: str, spec: dict) -> Outcome:
         start = time.monotonic()
@@ -179,7 +191,7 @@ class Soak:
         outcome.diverged = outcome.ok and first.json()["choices"][0]["text"] != second.json()["choices"][0]["text"]
         return outcome
 
-    async def _score(self, spec: dict) -> Outcome:
+    async def _score_prompt(self, spec: dict) -> Outcome:
         """What lm-eval's loglikelihood tasks send: the prompt scored (echo, logprobs), nothing generated."""
         body = self._completion(spec, max_tokens=0, echo=True, logprobs=1)
         response = await self.http.post("/v1/completions", json=body)
@@ -228,6 +240,53 @@ class Soak:
         body = self._completion(spec, prompt=" ".join(["word"] * (self.max_model_len + 10)))
         return _refused(await self.http.post("/v1/completions", json=body))
 
+    # -- the pooling kinds (an embedding model) -------------------------------------------------------
+    async def _embedded(self, body: dict, count: int) -> Outcome:
+        response = await self.http.post("/v1/embeddings", json={"model": self.model, **body})
+        if response.status_code != 200:
+            return Outcome("", False, response.status_code, response.text[:200])
+        data = response.json()["data"]
+        if len(data) != count or any(not d["embedding"] for d in data):
+            return Outcome("", False, 200, f"{len(data)} embeddings for {count} inputs")
+        return Outcome("", True, 200)
+
+    async def _embed(self, spec: dict) -> Outcome:
+        return await self._embedded({"input": spec["prompt"]}, 1)
+
+    async def _embed_list(self, spec: dict) -> Outcome:
+        inputs = spec["inputs"][:spec["n"] + 2]
+        return await self._embedded({"input": inputs}, len(inputs))
+
+    async def _embed_base64(self, spec: dict) -> Outcome:
+        return await self._embedded({"input": spec["inputs"][:2], "encoding_format": "base64"}, 2)
+
+    async def _embed_dimensions(self, spec: dict) -> Outcome:
+        return await self._embedded({"input": spec["prompt"], "dimensions": 32}, 1)
+
+    async def _score(self, spec: dict) -> Outcome:
+        if self.kinds is KINDS:
+            return await self._score_prompt(spec)
+        body = {"model": self.model, "text_1": spec["prompt"], "text_2": spec["inputs"][:3]}
+        return _answered_data(await self.http.post("/v1/score", json=body), 3)
+
+    async def _rerank(self, spec: dict) -> Outcome:
+        body = {"model": self.model, "query": spec["prompt"], "documents": spec["inputs"][:4]}
+        response = await self.http.post("/v1/rerank", json=body)
+        if response.status_code != 200:
+            return Outcome("", False, response.status_code, response.text[:200])
+        return Outcome("", len(response.json()["results"]) == 4, 200, "results")
+
+    async def _bad_embed(self, spec: dict) -> Outcome:
+        body = {"model": self.model, "input": spec["prompt"], **spec["bad_embed"]}
+        outcome = _refused(await self.http.post("/v1/embeddings", json=body))
+        if not outcome.ok:
+            outcome.problem = f"{spec['bad_embed']}: {outcome.problem}"
+        return outcome
+
+    async def _oversize_embed(self, spec: dict) -> Outcome:
+        body = {"model": self.model, "input": " ".join(["word"] * (self.max_model_len + 10))}
+        return _refused(await self.http.post("/v1/embeddings", json=body))
+
     async def _read_stream(self, path: str, body: dict) -> Outcome:
         finish_reason = None
         done = False
@@ -258,6 +317,13 @@ def _answered(response: httpx.Response, choices: int) -> Outcome:
     return Outcome("", True, 200)
 
 
+def _answered_data(response: httpx.Response, count: int) -> Outcome:
+    if response.status_code != 200:
+        return Outcome("", False, response.status_code, response.text[:200])
+    got = len(response.json()["data"])
+    return Outcome("", got == count, 200, None if got == count else f"{got} scores for {count}")
+
+
 def _refused(response: httpx.Response) -> Outcome:
     if response.status_code != 400:
         return Outcome("", False, response.status_code, f"expected 400: {response.text[:200]}")
@@ -267,12 +333,13 @@ def _refused(response: httpx.Response) -> Outcome:
     return Outcome("", True, 400)
 
 
-async def drive(base_url: str, requests: int, concurrency: int, seed: int, outcomes: list) -> None:
+async def drive(base_url: str, requests: int, concurrency: int, seed: int, outcomes: list,
+                kinds: dict[str, int] = KINDS) -> None:
     """Send the plan, ``concurrency`` at a time, appending each request's outcome as it ends."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]
-        soak = Soak(http, model["id"], model["max_model_len"], seed)
+        soak = Soak(http, model["id"], model["max_model_len"], seed, kinds)
         plan = collections.deque(soak.plan(requests))
 
         async def worker() -> None:
@@ -325,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--default-shape-caches", action="store_true",
                         help=f"leave oneDNN's shape caches at their defaults (else: {SHAPE_CACHE_CAPS})")
     parser.add_argument("--max-rss-growth", type=float, default=0.05)
+    parser.add_argument("--mix", choices=("generate", "pooling"), default="generate",
+                        help="the requests: a text model's (default) or an embedding model's (serve --runner pooling)")
     parser.add_argument("--fairness", action="store_true", help="run the fairness probe after the soak")
     parser.add_argument("--max-prompts", type=int, default=1024,
                         help="the server's --max-prompts-per-request, for the probe's list of prompts")
@@ -350,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         outcomes: list[Outcome] = []
         start = time.monotonic()
         with RSSSampler(server.pid, lambda: len(outcomes)) as rss:
-            asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, outcomes))
+            asyncio.run(drive(base_url, args.requests, args.concurrency, args.seed, outcomes,
+                              POOLING_KINDS if args.mix == "pooling" else KINDS))
         duration = time.monotonic() - start
         idle = wait_idle(base_url)
         speculated = counter(base_url, "vllm:spec_decode_num_draft_tokens")

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HUB_REPO = "tiny-org/tiny-llama"  # the tiny Llama's id in the Hub cache of the tiny_llama_hub_cache fixture
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 
 

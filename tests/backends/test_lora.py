@@ -69,14 +69,13 @@ def test_refusals_name_what_is_wrong(tiny_llama, tmp_path):
 
 
 def test_smollm2_adapter_equals_peft(tmp_path):
-    from pagedllm.models.source import resolve_model
+    from pagedllm.models.source import default_model_path, gguf_to_hf
 
-    source = resolve_model(None)
-    folder, gguf = str(source.path.parent), source.path.name
-    adapter = make_adapter(folder, tmp_path / "smollm2", seed=4, gguf_file=gguf)
+    dense = gguf_to_hf(default_model_path())  # its GGUF dequantized, made once into the cache
+    adapter = make_adapter(dense, tmp_path / "smollm2", seed=4)
     prompts = PROMPTS[:2]
-    expected = peft_greedy(folder, adapter, prompts, NEW_TOKENS, gguf_file=gguf)
-    llm = LLM(dtype="float32", quantization="none", enable_lora=True, kv_cache_space=0.05, max_model_len=512)
+    expected = peft_greedy(dense, adapter, prompts, NEW_TOKENS)
+    llm = LLM(str(dense), dtype="float32", enable_lora=True, kv_cache_space=0.05, max_model_len=512)
     outs = llm.generate(prompts + prompts, GREEDY, use_tqdm=False,
                         lora_request=[LoRARequest("s", 1, str(adapter))] * 2 + [None] * 2)
     assert [o.outputs[0].token_ids for o in outs[:2]] == expected

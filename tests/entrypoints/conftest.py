@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hub_cache import hub_cache
+from hub_cache import HUB_REPO, hub_cache
 from server_process import ServerProcess
 from tiny_models import build_model
 
@@ -14,9 +14,6 @@ from tiny_models import build_model
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """One tiny Llama (with a chat template) for the server tests; built once, without the other architectures."""
     return build_model("llama", tmp_path_factory.mktemp("server-model") / "llama")
-
-
-HUB_REPO = "tiny-org/tiny-llama"
 
 
 @pytest.fixture(scope="session")

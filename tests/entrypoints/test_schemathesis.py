@@ -12,8 +12,7 @@ import os
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from conftest import HUB_REPO
-from hub_cache import OFFLINE
+from hub_cache import HUB_REPO, OFFLINE
 from schemathesis import GenerationMode
 from server_process import ServerProcess
 

@@ -11,8 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import HUB_REPO
-from hub_cache import OFFLINE
+from hub_cache import HUB_REPO, OFFLINE
 
 SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"
 # n-gram speculation in steps of up to 64 running requests: every step of the soak verifies proposals
@@ -41,3 +40,17 @@ def test_soak_leaves_nothing_behind_and_no_request_waits_behind_a_heavy_one(tiny
     fairness = summary["fairness"]
     assert fairness["slow_grammar"]["heavy_status"] == 200 and fairness["huge_body"]["heavy_status"] == 400
     assert {probe["heavy_status"] for probe in fairness.values()} <= {None, 200, 400}
+
+
+def test_soak_of_an_embedding_server_leaves_nothing_behind(tmp_path):
+    summary_path = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(SOAK), "--mix", "pooling", "--requests", "300", "--concurrency", "16", "--output-json",
+         str(summary_path), "--", "--runner", "pooling", "--dtype", "float32", "--max-num-seqs", "8"],
+        capture_output=True, text=True, timeout=600)  # the default embedding model, all-MiniLM-L6-v2
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["failed_checks"] == [] and summary["unexpected"] == {}
+    assert set(summary["by_kind"]) == {"embed", "embed_list", "embed_base64", "embed_dimensions", "score", "rerank",
+                                       "bad_embed", "oversize_embed"}
+    assert set(summary["statuses"]) == {"200", "400"}

@@ -212,6 +212,8 @@ def run_server(args: argparse.Namespace) -> int:
     merge_model_args(args)
     config = ServerConfig.from_cli_args(args)  # checked before the model loads
     engine_args = from_cli_args(args)
+    if config.lora_modules and not setting_value(engine_args, "enable_lora"):
+        raise ConfigError("--lora-modules needs --enable-lora")  # before minutes of loading
     replicas = setting_value(engine_args, "data_parallel_size")
     if replicas > 1 and not config.engine_process:
         raise ConfigError("--data-parallel-size runs each replica's engine in a process of its own: drop "
