@@ -132,8 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_loras", int, 1, "most adapters among the requests running at once (vLLM's; a request of another "
             "adapter waits)"),
     Setting("max_lora_rank", int, 16, "largest adapter rank accepted"),
-    Setting("max_cpu_loras", int, None, "most adapters kept loaded; the least recently used one that no request "
-            "runs with is unloaded for a new one", shown_default="max_loras"),
+    Setting("max_cpu_loras", int, None, "most adapters kept loaded (those of queued and running requests stay); "
+            "the least recently used idle one is unloaded for a new one", shown_default="max(max_loras, 16)"),
     Setting("max_waiting_requests", int, None, "most requests queued (not yet running); more are refused "
             "(the server answers 503 with Retry-After)", shown_default="unbounded"),
     Setting("max_consecutive_step_failures", int, 3, "steps in a row that may fail (each failing only the "

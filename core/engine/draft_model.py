@@ -33,7 +33,7 @@ logger = logging.getLogger("pagedllm.engine.draft_model")
 
 def draft_config(config: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
     """The target's settings for the draft's backend, with the draft's model and quantization, alone (no tensor
-    parallelism, no speculation of its own)."""
+    parallelism, no speculation and no LoRA adapters of its own)."""
     options = dict(config.backend_options)
     if options.get("tensor_parallel_size", 1) > 1 or options.get("nnodes", 1) > 1:
         raise ConfigError("--speculative-config: a draft model does not run with tensor parallelism yet; use the "
@@ -41,7 +41,7 @@ def draft_config(config: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
     if "quantization" in options:
         options["quantization"] = spec.quantization or "auto"
     return dataclasses.replace(config, model=spec.model, revision=None, tokenizer=None, speculative_config=None,
-                               backend_options=options, sources=dict(config.sources))
+                               enable_lora=False, backend_options=options, sources=dict(config.sources))
 
 
 def check_same_vocabulary(target_tokenizer, draft_source: ModelSource) -> None:

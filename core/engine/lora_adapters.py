@@ -9,10 +9,13 @@ import time
 
 from pagedllm.backend import Backend
 from pagedllm.config import EngineConfig
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import InvalidRequestError, QueueFullError
 from pagedllm.lora_request import LoRARequest
 
 logger = logging.getLogger("pagedllm.engine.lora")
+# adapters kept loaded unless --max-cpu-loras says otherwise: queued requests keep theirs loaded, so a bound of
+# max_loras would refuse a second adapter while the first one's requests wait
+DEFAULT_CPU_LORAS = 16
 
 
 class LoadedAdapters:
@@ -20,7 +23,7 @@ class LoadedAdapters:
         self.backend = backend
         self.enabled = config.enable_lora
         self.max_rank = config.max_lora_rank
-        self.capacity = config.max_cpu_loras or config.max_loras
+        self.capacity = config.max_cpu_loras or max(config.max_loras, DEFAULT_CPU_LORAS)
         self._loaded: collections.OrderedDict[int, LoRARequest] = collections.OrderedDict()  # least recent first
 
     def ensure(self, lora: LoRARequest, in_use: set[int]) -> None:
@@ -43,13 +46,13 @@ class LoadedAdapters:
         while len(self._loaded) >= self.capacity:
             idle = next((i for i in self._loaded if i not in in_use), None)
             if idle is None:
-                raise InvalidRequestError(f"{len(self._loaded)} adapters are loaded and in use (--max-cpu-loras "
-                                          f"{self.capacity}): try again when one is done", param="model")
+                raise QueueFullError(f"{len(self._loaded)} adapters are loaded and in use by queued or running "
+                                     f"requests (--max-cpu-loras {self.capacity}): try again when one is done")
             self.remove(idle)
         start = time.perf_counter()
         try:
             self.backend.add_lora(lora.lora_int_id, lora.lora_path, self.max_rank)
-        except (OSError, ValueError, KeyError) as exc:
+        except Exception as exc:  # a damaged file, a shape that does not fit: this request's fault only
             raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r} cannot be loaded from {lora.lora_path}: "
                                       f"{exc}", param="lora_request") from None
         self._loaded[lora.lora_int_id] = lora

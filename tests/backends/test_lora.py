@@ -49,6 +49,28 @@ def test_max_loras_runs_a_third_adapter_after_the_others(case, tmp_path):
     llm.shutdown()
 
 
+def test_two_adapters_with_the_default_settings_run_one_after_the_other(case):
+    model, loras, expected = case
+    llm = LLM(str(model), dtype="float32", enable_lora=True, kv_cache_space=0.02)  # max_loras 1
+    outs = llm.generate(PROMPTS * 2, GREEDY, use_tqdm=False, lora_request=[loras["a"], loras["b"]] * 3)
+    assert [o.outputs[0].token_ids for o in outs] == [expected[n][i] for i, n in
+                                                      zip([0, 1, 2, 0, 1, 2], ["a", "b"] * 3)]
+    llm.shutdown()
+
+
+def test_an_adapter_that_fails_to_load_after_an_eviction_leaves_the_others_serving(case, tmp_path):
+    model, loras, expected = case
+    wide = make_adapter(model, tmp_path / "wide", seed=5, rank=32)
+    llm = LLM(str(model), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, kv_cache_space=0.02)
+    for name in ("a", "b"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=loras[name])
+    with pytest.raises(InvalidRequestError, match="rank 32"):  # evicts b, then cannot load
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("wide", 3, str(wide)))
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[loras["a"], None, loras["b"]])
+    assert [o.outputs[0].token_ids for o in outs] == [expected["a"][0], expected[None][1], expected["b"][2]]
+    llm.shutdown()
+
+
 def test_refusals_name_what_is_wrong(tiny_llama, tmp_path):
     adapter = make_adapter(tiny_llama, tmp_path / "wide", seed=3, rank=32)
     plain = LLM(str(tiny_llama), dtype="float32", kv_cache_space=0.01)
@@ -66,6 +88,14 @@ def test_refusals_name_what_is_wrong(tiny_llama, tmp_path):
         LLM(str(tiny_llama), dtype="float32", enable_lora=True, tensor_parallel_size=2, kv_cache_space=0.01)
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         LLM(str(tiny_llama), enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ConfigError, match="--batch-invariant does not go with --enable-lora"):
+        LLM(str(tiny_llama), dtype="float32", enable_lora=True, batch_invariant=True, kv_cache_space=0.01)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gpt2"])
+def test_models_of_other_layouts_refuse_adapters(tiny_model_dirs, arch):
+    with pytest.raises(ConfigError, match="adapters run on Llama-family decoder layers"):
+        LLM(str(tiny_model_dirs[arch]), dtype="float32", enable_lora=True, kv_cache_space=0.01)
 
 
 def test_smollm2_adapter_equals_peft(tmp_path):

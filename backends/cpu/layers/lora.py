@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from pagedllm.errors import ConfigError
+
 FLOAT32_ROWS = 512  # steps with up to this many adapter rows compute the low-rank products in float32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -80,7 +82,7 @@ class LoRALinear(torch.nn.Module):
         else:
             self.adapters[lora_id] = parts
         self._stacks = {}
-        if not any(self.adapters.values()):
+        if not any(self.adapters.values()) or not self.step.slots:
             return
         slots = max(self.step.slots.values()) + 1
         rank = max(sum(a.shape[0] for _, _, a, _, _ in ps) for ps in self.adapters.values())
@@ -120,6 +122,12 @@ def wrap_projections(model: torch.nn.Module, step: StepAdapters) -> dict[str, tu
     (``model.layers.3.self_attn.q_proj``), its wrapper and columns."""
     targets: dict[str, tuple[LoRALinear, int, int]] = {}
     decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") and not (
+            hasattr(layer.self_attn, "qkv_proj") and not hasattr(layer.self_attn, "qkv_proj_widths"))
+            for layer in layers):
+        raise ConfigError(f"--enable-lora: adapters run on Llama-family decoder layers (self_attn with q/k/v/o and an "
+                          f"mlp with gate/up/down); this model is {model.config.model_type!r}")
     prefix = next(name for name, module in model.named_modules() if module is decoder)
     for index, layer in enumerate(decoder.layers):
         for part_name in ("self_attn", "mlp"):
@@ -153,6 +161,8 @@ def load_adapter(path: str, targets: dict[str, tuple[LoRALinear, int, int]], max
         raise ValueError(f"its rank {rank} is above --max-lora-rank {max_rank}")
     if config.get("use_dora"):
         raise ValueError("DoRA adapters (use_dora) are not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError("per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     files = [folder / "adapter_model.safetensors"]
     if not files[0].is_file():
@@ -172,7 +182,8 @@ def load_adapter(path: str, targets: dict[str, tuple[LoRALinear, int, int]], max
                              f"({', '.join(PROJECTIONS)})")
         wrapper, start, end = targets[module]
         a, b = ab["A"].to(dtype).contiguous(), ab["B"].to(dtype).contiguous()
-        if b.shape[0] != end - start:
-            raise ValueError(f"{module}'s lora_B has {b.shape[0]} rows, the model's projection {end - start}")
+        if b.shape[0] != end - start or a.shape[1] != wrapper.in_features or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{module}'s lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the model's "
+                             f"projection ({wrapper.in_features} inputs, {end - start} outputs)")
         attach.append((wrapper, (start, start + b.shape[0], a, b, scale)))
     return attach

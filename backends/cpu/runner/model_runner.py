@@ -110,6 +110,9 @@ class ModelRunner:
             logger.info("%d decoder layers fused (q/k/v and gate/up as one GEMM each; residual stream in %s)",
                         layers, str(self.residual_dtype).removeprefix("torch."))
         if self.enable_lora:
+            if self.batch_invariant:
+                raise ConfigError("--batch-invariant does not go with --enable-lora: the adapters' low-rank products "
+                                  "are not computed in one order whatever the batch")
             self.lora_targets = wrap_projections(self.model, self.lora_step)
             logger.info("LoRA: %d projections take adapters (each adapter's low-rank product on its own rows after "
                         "the base GEMM)", len(self.lora_targets))
@@ -176,17 +179,21 @@ class ModelRunner:
 
     def add_lora(self, lora_id: int, path: str, max_rank: int) -> None:
         parts: dict = {}
-        for wrapper, part in load_adapter(path, self.lora_targets, max_rank, self.dtype):
+        for wrapper, part in load_adapter(path, self.lora_targets, max_rank, self.dtype):  # checked before any change
             parts.setdefault(wrapper, []).append(part)
         slots = self.lora_step.slots
         slots[lora_id] = min(set(range(len(slots) + 1)) - set(slots.values()))
-        for wrapper in self._lora_layers():
-            wrapper.set_adapter(lora_id, parts.get(wrapper, []), self.dtype)
+        try:
+            for wrapper in self._lora_layers():
+                wrapper.set_adapter(lora_id, parts.get(wrapper, []), self.dtype)
+        except BaseException:
+            self.remove_lora(lora_id)
+            raise
 
     def remove_lora(self, lora_id: int) -> None:
+        self.lora_step.slots.pop(lora_id, None)  # first: the stacks are rebuilt for the slots that remain
         for wrapper in self._lora_layers():
             wrapper.set_adapter(lora_id, None, self.dtype)
-        self.lora_step.slots.pop(lora_id, None)
 
     def _lora_layers(self) -> list:
         return list({id(w): w for w, _, _ in self.lora_targets.values()}.values())
