@@ -13,7 +13,6 @@ The model is a random one of Qwen2.5-0.5B's shape (model_shapes.py): SmolLM2-135
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import model_shapes
+from rates import print_summary
 from serving_case import free_port, run_serving_case
 
 CONFIGS = {"dp1": [], "dp2": ["--data-parallel-size", "2"], "tp2": ["--tensor-parallel-size", "2"]}
@@ -74,10 +74,7 @@ def main() -> int:
         summary["workloads"][name] = {c: {**m, "tok_s_vs_dp1": round(m["output_tok_s"] / base["output_tok_s"], 3),
                                           "tpot_vs_dp1": round(m["tpot_ms"] / base["tpot_ms"], 3)}
                                       for c, m in medians.items()}
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output_json:
-        args.output_json.write_text(text + "\n")
+    print_summary(summary, args.output_json)
     return 0
 
 

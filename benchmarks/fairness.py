@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import sys
 import time
 
 import httpx
+from rates import print_summary
 
 SMALL_PROMPT = "The capital of France is"
 HUGE_BODY_BYTES = 9 * 1024 * 1024  # the size one probe of issue 40 sent four times
@@ -151,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     probes = asyncio.run(run_probes(args.base_url, args.max_prompts, args.grammar_choices))
-    text = json.dumps(summarize(probes), indent=2)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as out:
-            out.write(text + "\n")
+    print_summary(summarize(probes), args.output_json)
     return 0
 
 

@@ -39,3 +39,11 @@ def write_results(path: str, results: dict, engine: str) -> None:
     Path(path).write_text(json.dumps(results, indent=2) + "\n")
     print(f"{engine}: {results['requests_per_second']:.2f} requests/s, {results['output_tokens_per_second']:.1f} "
           f"output tokens/s; start-up {results['startup_seconds']:.1f} s")
+
+
+def print_summary(summary: dict, path: str | Path | None = None) -> None:
+    """A benchmark's summary as JSON on stdout, and in ``path`` too when given."""
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import random
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "router"))
+from rates import print_summary  # noqa: E402
 from serve_behind_router import free_port, start_replicas, start_router, stop  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which have were are this be one city "
@@ -136,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["kill_one"] = measure_kill(args.router, replicas, prompts, args.concurrency, log_dir)
     finally:
         stop([proc for _, proc in replicas])
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output_json:
-        args.output_json.write_text(text + "\n")
+    print_summary(summary, args.output_json)
     return 0
 
 

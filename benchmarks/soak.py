@@ -1,11 +1,11 @@
 """Soak: many mixed requests through a real ``pagedllm serve``, then checks that nothing leaked.
 
 The mix (seeded): streamed and whole completions and chats, n > 1, stop strings, scoring (prompt logprobs, as
-lm-eval asks for them, and vLLM's prompt_logprobs field), seeded sampling (each seeded request is sent twice and must come back the same), streams
-dropped at a random point, streams dropped before their first token (most of them still queued), bad sampling
-parameters and prompts longer than the model (both must get a 400 in OpenAI's error format). No request may get a
-5xx. In bf16 the logits depend slightly on the batch's shape, so
-a seeded pair may differ: those are counted, and fail the soak only when the server runs ``--dtype float32``.
+lm-eval asks for them, and vLLM's prompt_logprobs field), seeded sampling (each seeded request is sent twice and
+must come back the same), streams dropped at a random point, streams dropped before their first token (most of them
+still queued), bad sampling parameters and prompts longer than the model (both must get a 400 in OpenAI's error
+format). No request may get a 5xx. In bf16 the logits depend slightly on the batch's shape, so a seeded pair may
+differ: those are counted, and fail the soak only when the server runs ``--dtype float32``.
 
 Afterwards: the KV cache is empty, the engine's and the front end's request tables are empty (``/metrics``), every
 valid request was answered, and the server's peak RSS (its engine-core process included) grew by less than
@@ -48,11 +48,13 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 from fairness import run_probes  # noqa: E402
 from proc_status import process_tree, status_kib  # noqa: E402
+from rates import print_summary  # noqa: E402
 from serving_case import free_port, log_tail, wait_ready  # noqa: E402
 
 # What each request of the mix is, with its weight.
 KINDS = {"stream": 20, "complete": 12, "chat_stream": 12, "chat": 6, "n": 8, "stop": 8, "seeded": 8,
-         "score": 6, "prompt_logprobs": 4, "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6, "oversize": 4}
+         "score": 6, "prompt_logprobs": 4, "drop_mid_stream": 10, "drop_before_first_token": 6, "bad_params": 6,
+         "oversize": 4}
 BAD_PARAMS = [{"temperature": -1}, {"top_p": 1.5}, {"max_tokens": -5}, {"n": 0}, {"presence_penalty": 5},
               {"top_k": -5}, {"seed": 2 ** 80}, {"logprobs": -1}, {"stop": 5}]
 WORDS = ("the of and to in is was for on that with as by at from his her an which have were are this be one "
@@ -61,7 +63,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
 HELD_KINDS = ("long_prompt", "scored_long_prompt", "slow_grammar")
 # The mix for an embedding model (--mix pooling): /v1/embeddings with one input or several, float or base64,
 # Matryoshka dimensions; /v1/score; /v1/rerank; bad parameters and inputs too long, which must get a 400.
-POOLING_KINDS = {"embed": 25, "embed_list": 15, "embed_base64": 10, "embed_dimensions": 8, "score": 12,
+POOLING_KINDS = {"embed": 25, "embed_list": 15, "embed_base64": 10, "embed_dimensions": 8, "pair_score": 12,
                  "rerank": 12, "bad_embed": 10, "oversize_embed": 8}
 BAD_EMBED = [{"dimensions": 0}, {"encoding_format": "hex"}, {"input": []}, {"input": [[]]}, {"dimensions": 2 ** 40},
              {"input": 5}]
@@ -191,7 +193,7 @@ class Soak:
         outcome.diverged = outcome.ok and first.json()["choices"][0]["text"] != second.json()["choices"][0]["text"]
         return outcome
 
-    async def _score_prompt(self, spec: dict) -> Outcome:
+    async def _score(self, spec: dict) -> Outcome:
         """What lm-eval's loglikelihood tasks send: the prompt scored (echo, logprobs), nothing generated."""
         body = self._completion(spec, max_tokens=0, echo=True, logprobs=1)
         response = await self.http.post("/v1/completions", json=body)
@@ -263,9 +265,7 @@ class Soak:
     async def _embed_dimensions(self, spec: dict) -> Outcome:
         return await self._embedded({"input": spec["prompt"], "dimensions": 32}, 1)
 
-    async def _score(self, spec: dict) -> Outcome:
-        if self.kinds is KINDS:
-            return await self._score_prompt(spec)
+    async def _pair_score(self, spec: dict) -> Outcome:
         body = {"model": self.model, "text_1": spec["prompt"], "text_2": spec["inputs"][:3]}
         return _answered_data(await self.http.post("/v1/score", json=body), 3)
 
@@ -442,10 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     float32 = any(a == "--dtype" and b == "float32" for a, b in zip(server_args, server_args[1:]))
     failures = checks(summary, args.max_rss_growth, seeds_must_match=float32)
     summary["failed_checks"] = failures
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.output_json:
-        args.output_json.write_text(text + "\n")
+    print_summary(summary, args.output_json)
     if failures:
         print(f"soak: FAILED: {'; '.join(failures)}\nserver log tail:\n{log_tail(log_path)}", file=sys.stderr)
         return 1

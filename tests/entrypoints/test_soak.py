@@ -51,6 +51,6 @@ def test_soak_of_an_embedding_server_leaves_nothing_behind(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(summary_path.read_text())
     assert summary["failed_checks"] == [] and summary["unexpected"] == {}
-    assert set(summary["by_kind"]) == {"embed", "embed_list", "embed_base64", "embed_dimensions", "score", "rerank",
-                                       "bad_embed", "oversize_embed"}
+    assert set(summary["by_kind"]) == {"embed", "embed_list", "embed_base64", "embed_dimensions", "pair_score",
+                                       "rerank", "bad_embed", "oversize_embed"}
     assert set(summary["statuses"]) == {"200", "400"}

@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -35,25 +36,25 @@ class StepAdapters:
         self.shape = (0, 0)
 
     def set(self, lora_ids, query_start_loc) -> None:
-        """From a batch's ``lora_ids`` (per sequence, 0 for none) and ``query_start_loc``."""
+        """From a batch's ``lora_ids`` (per sequence, 0 for none) and ``query_start_loc``: numpy, no Python loop
+        over the step's tokens."""
         self.active = False
         if lora_ids is None:
             return
-        starts = query_start_loc.tolist()
-        rows: dict[int, list[int]] = {}
-        for seq, lora_id in enumerate(lora_ids.tolist()):
-            if lora_id and lora_id in self.slots:
-                rows.setdefault(lora_id, []).extend(range(starts[seq], starts[seq + 1]))
-        if not rows:
+        row_lora = np.repeat(lora_ids, np.diff(query_start_loc))
+        groups = [(lora_id, np.flatnonzero(row_lora == lora_id)) for lora_id in np.unique(row_lora)
+                  if lora_id and int(lora_id) in self.slots]
+        if not groups:
             return
-        longest = max(map(len, rows.values()))
-        grid = [r + [r[0]] * (longest - len(r)) for r in rows.values()]  # padding repeats a row: dropped after
-        self.shape = (len(rows), longest)
-        slots = [self.slots[lora_id] for lora_id in rows]
+        longest = max(len(rows) for _, rows in groups)
+        grid = np.stack([np.pad(rows, (0, longest - len(rows)), mode="edge") for _, rows in groups])  # padding
+        valid = np.arange(longest)[None, :] < np.array([len(rows) for _, rows in groups])[:, None]   # dropped after
+        slots = [self.slots[int(lora_id)] for lora_id, _ in groups]
+        self.shape = (len(groups), longest)
         self.slot_index = None if slots == list(range(len(self.slots))) else torch.tensor(slots)  # None: all, in order
-        self.gather = torch.tensor(grid).view(-1)
-        self.valid = torch.tensor([g * longest + i for g, r in enumerate(rows.values()) for i in range(len(r))])
-        self.rows = torch.tensor([row for r in rows.values() for row in r])
+        self.gather = torch.from_numpy(grid.reshape(-1))
+        self.valid = torch.from_numpy(np.flatnonzero(valid))
+        self.rows = torch.from_numpy(np.concatenate([rows for _, rows in groups]))
         self.padded = len(self.valid) != len(self.gather)
         self.active = True
 
@@ -65,7 +66,6 @@ class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, slices: dict[str, tuple[int, int]], step: StepAdapters) -> None:
         super().__init__()
         self.base = base
-        self.slices = slices
         self.step = step
         self.in_features = base.in_features
         self.out_features = max(end for _, end in slices.values())

@@ -193,10 +193,8 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def lora_modules(engine_config, config: ServerConfig, model_names: list[str]) -> LoRAModules | None:
-    """The adapters of --lora-modules (None without --enable-lora); ConfigError for adapters without it."""
+    """The adapters of --lora-modules (None without --enable-lora, which run_server checks before loading)."""
     if not engine_config.enable_lora:
-        if config.lora_modules:
-            raise ConfigError("--lora-modules needs --enable-lora")
         return None
     adapters = LoRAModules(model_names)
     for name, path in config.lora_modules:
