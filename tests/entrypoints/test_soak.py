@@ -25,7 +25,7 @@ def test_soak_leaves_nothing_behind_and_no_request_waits_behind_a_heavy_one(tiny
          "--max-prompts", "8", "--grammar-choices", "5000", "--output-json", str(summary_path), "--",
          "--dtype", "float32", "--max-model-len", "512", "--kv-cache-space", "0.05", "--max-num-seqs", "8",
          "--max-num-batched-tokens", "64", "--max-prompts-per-request", "8", "--structured-outputs-max-bytes",
-         "1000000", "--speculative-config", SPECULATIVE],
+         "1000000", "--structured-outputs-compile-timeout", "120", "--speculative-config", SPECULATIVE],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, **OFFLINE, "HF_HUB_CACHE": str(tiny_llama_hub_cache)})
     assert done.returncode == 0, done.stdout + done.stderr
