@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.backends.common.cpu_features import describe as describe_cpu
 from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
-from pagedllm.backends.cpu.layers.quant_formats import quantize
+from pagedllm.backends.cpu.layers.quant_formats import quantize, to_panels
 from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 # (name, out_features, in_features) of the 1B shape's linears (q/k/v and gate/up fused, as the backend runs them)
@@ -57,7 +57,7 @@ def main() -> None:
         use_packed_linears(dense, kernels)
         for fmt in args.formats.split(","):
             q = quantize(weight, fmt)
-            quantized = (q.values, q.scales, q.offsets, q.bits, q.group, None)
+            quantized = (*to_panels(q).arguments, None)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
                 repeat = max(1, int(4e8 / (2 * m * n * k + n * k * 8)))
@@ -67,7 +67,7 @@ def main() -> None:
                     "bf16": lambda: kernels.quantized_linear_bf16(x, *quantized, False),
                     "gemv_bf16": lambda: kernels.quantized_gemv_bf16(x, *quantized, False),
                     "dequantize": lambda: torch.nn.functional.linear(
-                        x, kernels.dequantize_weight(*quantized[:5], True)),
+                        x, kernels.dequantize_weight(*quantized[:6], True)),
                 }
                 with torch.inference_mode():
                     times = best_seconds(paths, repeat)

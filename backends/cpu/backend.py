@@ -115,7 +115,7 @@ class CPUBackend(Backend):
     def load_model(self) -> ModelInfo:
         import torch
 
-        from pagedllm.backends.cpu.runner.allocator import keep_freed_memory
+        from pagedllm.backends.cpu.runner.allocator import keep_freed_memory, return_loading_memory
         from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
         from pagedllm.backends.cpu.runner.model_runner import ModelRunner
         from pagedllm.backends.cpu.runner.threads import ThreadBinder
@@ -148,7 +148,9 @@ class CPUBackend(Backend):
                                   quantization=self.quantization, gguf_file=self._gguf_file(),
                                   batch_invariant=self.config.batch_invariant,
                                   int8_activations=self.int8_activations, enable_lora=self.config.enable_lora)
-        return self.runner.load()
+        info = self.runner.load()
+        return_loading_memory()
+        return info
 
     def _load_encoder(self) -> ModelInfo:
         """The pooling runner: transformers' base model on this process's threads (see encoder_runner.py)."""

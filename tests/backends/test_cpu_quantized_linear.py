@@ -111,9 +111,12 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
     weight = qf.from_gguf(raw, type_name, 40, in_features)
     dense = gguf_dequantized(raw, type_name, 40, in_features)
     bias = torch.randn(40)
-    args = (weight.values, weight.scales, weight.offsets, weight.bits, weight.group, bias)
-    assert torch.equal(kernels.dequantize_weight(*args[:5], False), weight.dequantize())
-    assert torch.equal(kernels.dequantize_weight(*args[:5], True), weight.dequantize().bfloat16())
+    panels = qf.to_panels(weight)
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):  # their scales and offsets are exact in float16
+        assert panels.scales.dtype == panels.offsets.dtype == torch.float16
+    args = (*panels.arguments, bias)
+    assert torch.equal(kernels.dequantize_weight(*args[:6], False), weight.dequantize())
+    assert torch.equal(kernels.dequantize_weight(*args[:6], True), weight.dequantize().bfloat16())
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
@@ -131,8 +134,8 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
 @pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
 def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
     """The tiles equal the dense brgemm linear over the dequantized weight bit for bit, at any row count, and so does
-    their SwiGLU form ([gate; up] rows) the unfused product and SiLU kernel; the few-row kernel sums the same bf16
-    products in another order."""
+    their SwiGLU form ([gate; up] rows) the unfused product and SiLU kernel; the few-row kernel sums the bf16 inputs'
+    products with the unrounded weights, as float32 would."""
     if not kernels.quantized_linear_bf16_available():
         pytest.skip("the bf16 quantized kernels need AVX512_BF16")
     torch.manual_seed(0)
@@ -142,19 +145,19 @@ def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
     weight = qf.from_gguf(raw, type_name, out_features, in_features)
     packed = kernels.pack_linear_weight_bf16(weight.dequantize().bfloat16())
     bias = torch.randn(out_features)
-    args = (weight.values, weight.scales, weight.offsets, weight.bits, weight.group, bias)
+    args = (*qf.to_panels(weight).arguments, bias)
     for rows in (1, 3, 4, 5, 64, 70, 130):
         x = torch.randn(rows, in_features).bfloat16()
         for float_output in (False, True):
             dense = kernels.linear_bf16(x, packed, bias, out_features, float_output)
             assert torch.equal(kernels.quantized_linear_bf16(x, *args, float_output), dense)
         both = kernels.quantized_linear_bf16(x, *args, False)
-        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args, out_features // 2)
+        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args[:5], bias, out_features // 2)
         # equal but for subnormal outputs, which the GEMM's epilogue flushes to zero (oneDNN sets FTZ)
         unfused = kernels.silu_and_mul(both[:, :out_features // 2], both[:, out_features // 2:])
         torch.testing.assert_close(fused, unfused, rtol=0, atol=torch.finfo(torch.bfloat16).tiny)
-        if rows <= 4:
-            exact = x.float() @ weight.dequantize().bfloat16().float().T + bias
+        if rows <= 4:  # the weights are not rounded to bf16 here
+            exact = x.float() @ weight.dequantize().T + bias
             torch.testing.assert_close(kernels.quantized_gemv_bf16(x, *args, True), exact, rtol=1e-5,
                                        atol=1e-5 * exact.abs().max().item())
             assert kernels.quantized_gemv_bf16(x, *args, False).dtype == torch.bfloat16

@@ -1,16 +1,12 @@
 // Linear layers over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and on-the-fly int8/q4_0),
-// for the few rows of a decode step: each column's quantized weights are streamed once per call and dotted against
-// every row while they are in cache. Batch-1 decode is bound by the bytes of weights read, so fewer bits per weight
-// is the only way to make it faster.
-//
-// One repacked layout serves every format: each weight is w = scale * u + offset, u an unsigned 4-bit or 8-bit
-// value, with a float32 scale and offset per group of 16 or 32 inputs of a column (lossless for all six formats).
-// 4-bit values pack a chunk of 32 inputs in 16 bytes, byte i holding input i (low nibble) and input i + 16 (high).
+// for the few rows of a decode step: each panel of 16 columns (quantized_weights.h) is streamed once per call and
+// summed against every row while it is in cache, 16 columns per vector. Batch-1 decode is bound by the bytes of
+// weights read, so fewer bits per weight is the only way to make it faster.
 //
 // Two ways to take the dot products:
 // - int8: activations quantized per 32 inputs to int8 (as llama.cpp's Q8 activations), then integer dot products
-//   (AVX512_VNNI vpdpbusd, AVX2 vpmaddubsw), scaled per chunk; the offsets' term uses the exact float sums.
-// - float: each column dequantized to float32 once per call, then float32 dot products (what dequantize + matmul
+//   (AVX512_VNNI vpdpbusd, else vpmaddubsw), scaled per group; the offsets' term uses the exact float sums.
+// - float: each weight dequantized to float32 in registers, then float32 products (what dequantize + matmul
 //   computes, to float32's rounding): the exact path, for float32 models.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -23,67 +19,19 @@
 #include <vector>
 
 #include "quantized_weights.h"
-#include "utils.h"
-#include "vec.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define PAGEDLLM_QUANT_SIMD 1
-#else
-#define PAGEDLLM_QUANT_SIMD 0
 #endif
 
 namespace {
 
 using pagedllm::kChunk;
+using pagedllm::kLoadBytes;
+using pagedllm::kPanel;
+using pagedllm::kPrefetchLoads;
 using Weights = pagedllm::QuantizedWeights;
-constexpr int kRows = 4;  // rows dotted against one unpacked chunk
-
-// Chunk j of a column's values, one byte per input.
-inline void unpack_chunk_bytes(const Weights& w, const uint8_t* column, int64_t j, uint8_t* out) {
-  if (w.bits == 8) {
-    std::copy(column + j * kChunk, column + (j + 1) * kChunk, out);
-    return;
-  }
-  const uint8_t* packed = column + j * (kChunk / 2);
-  for (int64_t i = 0; i < kChunk / 2; ++i) {
-    out[i] = packed[i] & 0x0F;
-    out[i + kChunk / 2] = packed[i] >> 4;
-  }
-}
-
-// Column n as float32, w = scale * u + offset.
-void dequantize_column(const Weights& w, int64_t n, float* out) {
-  const uint8_t* column = w.values + n * w.row_bytes();
-  const float* scales = w.scales + n * w.groups;
-  const float* offsets = w.offsets + n * w.groups;
-  alignas(64) uint8_t u[kChunk];
-  for (int64_t j = 0; j < w.k / kChunk; ++j) {
-    unpack_chunk_bytes(w, column, j, u);
-    for (int64_t e = 0; e < kChunk; ++e) {
-      const int64_t g = (j * kChunk + e) / w.group;
-      out[j * kChunk + e] = u[e] * scales[g] + offsets[g];
-    }
-  }
-}
-
-float dot(const float* a, const float* b, int64_t k) {
-#if defined(PAGEDLLM_VEC)
-  pagedllm::Vec acc0 = pagedllm::Vec::zero(), acc1 = pagedllm::Vec::zero();
-  int64_t i = 0;
-  for (; i + 2 * pagedllm::Vec::size <= k; i += 2 * pagedllm::Vec::size) {
-    acc0 = pagedllm::Vec::fma(pagedllm::Vec::load(a + i), pagedllm::Vec::load(b + i), acc0);
-    acc1 = pagedllm::Vec::fma(pagedllm::Vec::load(a + i + pagedllm::Vec::size),
-                              pagedllm::Vec::load(b + i + pagedllm::Vec::size), acc1);
-  }
-  float sum = (acc0 + acc1).sum();
-#else
-  float sum = 0.f;
-  int64_t i = 0;
-#endif
-  for (; i < k; ++i) sum += a[i] * b[i];
-  return sum;
-}
+constexpr int kRows = 4;  // rows summed against one pass over a panel
 
 // The rows as float32 [m, k] (bf16 widened), contiguous.
 at::Tensor float_rows(const at::Tensor& rows) {
@@ -91,14 +39,16 @@ at::Tensor float_rows(const at::Tensor& rows) {
 }
 
 // Activations for the int8 path: per row and chunk of 32 inputs, int8 values q and a scale d with x ~ d * q
-// (d = max |x| / 127), and the exact float sum of x over each weight group (the offsets' term).
+// (d = max |x| / 127), q stored in the weight's int8 order (kInt8Order4/8), and the exact float sum of x over each
+// weight group (the offsets' term).
 struct Int8Activations {
   std::vector<int8_t> q;
   std::vector<float> scale, group_sum;
   int64_t chunks, groups;
 
-  Int8Activations(const float* x, int64_t m, int64_t k, int64_t group)
+  Int8Activations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
       : q(m * k), scale(m * (k / kChunk)), group_sum(m * (k / group)), chunks(k / kChunk), groups(k / group) {
+    const int* order = bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8;
     at::parallel_for(0, m * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         const float* src = x + c * kChunk;  // rows are contiguous: chunk c of all rows' chunks
@@ -106,7 +56,8 @@ struct Int8Activations {
         for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(src[i]));
         const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
         scale[c] = d;
-        for (int64_t i = 0; i < kChunk; ++i) q[c * kChunk + i] = static_cast<int8_t>(std::nearbyint(src[i] * inverse));
+        for (int64_t i = 0; i < kChunk; ++i)
+          q[c * kChunk + i] = static_cast<int8_t>(std::nearbyint(src[i / 8 * 8 + order[i % 8]] * inverse));
         for (int64_t part = 0; part < kChunk / group; ++part) {
           float sum = 0.f;
           for (int64_t i = part * group; i < (part + 1) * group; ++i) sum += src[i];
@@ -115,214 +66,246 @@ struct Int8Activations {
       }
     });
   }
-};
-
-float offsets_term(const Weights& w, int64_t n, const float* group_sum) {
-  return dot(w.offsets + n * w.groups, group_sum, w.groups);
-}
-
-#if PAGEDLLM_QUANT_SIMD
-// The int8 path, one chunk per 256-bit register: AVX512_VNNI's vpdpbusd where the build has it, else AVX2.
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Chunk j's 32 values as bytes: the low nibbles are inputs 0-15, the high ones 16-31.
-inline __m256i load_chunk(const Weights& w, const uint8_t* column, int64_t j) {
-  if (w.bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(column + j * kChunk));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + j * (kChunk / 2)));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-}
-
-// The weight scale of each 32-bit lane of a chunk's dot product (lane l sums inputs 4l..4l+3).
-inline __m256 chunk_scales(const Weights& w, const float* scales, int64_t j) {
-  if (w.group == kChunk) return _mm256_set1_ps(scales[j]);
-  return _mm256_set_m128(_mm_set1_ps(scales[2 * j + 1]), _mm_set1_ps(scales[2 * j]));
-}
-
-// Integer dot products of a chunk's unsigned values u with int8 activations a, per 32-bit lane. Without VNNI,
-// vpmaddubsw saturates its pair sums at 16 bits: 8-bit values go in as s = u - 128 (|s| <= 128, |a| <= 127), signed
-// through |s| and a * sign(s), and 128 * sum(a) is added back.
-struct ChunkDot {
-  __m256i u, magnitude;
-  bool eight_bits;
-  ChunkDot(__m256i values, bool eight) : u(values), eight_bits(eight) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    eight_bits = false;  // vpdpbusd sums in 32 bits: unsigned 8-bit values go in as they are
-#endif
-    if (eight_bits) {
-      u = _mm256_xor_si256(values, _mm256_set1_epi8(static_cast<char>(0x80)));
-      magnitude = _mm256_abs_epi8(u);
-    }
-  }
-  __m256i with(__m256i a) const {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
-#endif
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (!eight_bits) return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones);
-    const __m256i signed_dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, u)), ones);
-    const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), a), ones);
-    return _mm256_add_epi32(signed_dot, _mm256_slli_epi32(sums, 7));
+  // the int8 value of input i of a row's activations (in natural order)
+  int8_t at(int64_t row, int64_t i, int64_t bits) const {
+    static constexpr int position4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, position8[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    return q[row * chunks * kChunk + i / 8 * 8 + (bits == 4 ? position4 : position8)[i % 8]];
   }
 };
 
-// Two accumulators per row, for even and odd chunks: one chain of dependent FMAs would bound a row to a chunk per
-// FMA latency.
-template <int R>
-struct Int8Rows {
-  static void run(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, float* result) {
-    const uint8_t* column = w.values + n * w.row_bytes();
-    const float* scales = w.scales + n * w.groups;
-    __m256 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    const auto step = [&](int64_t j, __m256* sums) {
-      const ChunkDot chunk(load_chunk(w, column, j), w.bits == 8);
-      const __m256 ws = chunk_scales(w, scales, j);
-      for (int r = 0; r < R; ++r) {
-        const int64_t c = (r0 + r) * act.chunks + j;
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(act.q.data() + c * kChunk));
-        sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chunk.with(a)), _mm256_mul_ps(ws, _mm256_set1_ps(act.scale[c])),
-                                  sums[r]);
+// Sums of panel p for rows r0.. (16 per row, one per column), through the scalar code.
+void int8_panel_scalar(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, int64_t rows,
+                       float* sums) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float total = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) dot += w.u(p, c, i) * act.at(r0 + r, i, w.bits);
+        const float d = act.scale[(r0 + r) * act.chunks + g * w.group / kChunk];
+        total += static_cast<float>(dot) * (w.at(w.scales, p, g, c) * d) +
+                 w.at(w.offsets, p, g, c) * act.group_sum[(r0 + r) * act.groups + g];
       }
-    };
-    int64_t j = 0;
-    for (; j + 1 < act.chunks; j += 2) {
-      step(j, even);
-      step(j + 1, odd);
+      sums[r * kPanel + c] = total;
     }
-    if (j < act.chunks) step(j, even);
-    for (int r = 0; r < R; ++r)
-      result[r] = hsum(_mm256_add_ps(even[r], odd[r])) +
-                  offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
-  }
-};
+}
 
-#endif
+void float_panel_scalar(const Weights& w, int64_t p, const float* x, int64_t r0, int64_t rows, float* sums) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      float total = 0.f;
+      for (int64_t i = 0; i < w.k; ++i) {
+        const int64_t g = i / w.group;
+        total += std::fma(w.u(p, c, i), w.at(w.scales, p, g, c), w.at(w.offsets, p, g, c)) * x[(r0 + r) * w.k + i];
+      }
+      sums[r * kPanel + c] = total;
+    }
+}
 
-#if PAGEDLLM_QUANT_SIMD
-// The float path, one vector of inputs at a time (16 with AVX-512, 8 with AVX2).
-using pagedllm::Vec;
-constexpr int kParts = kChunk / Vec::size;
-
-// Inputs part * Vec::size onwards of chunk j as float32 values u.
-inline Vec chunk_part(const Weights& w, const uint8_t* column, int64_t j, int part) {
-  const int64_t first = part * Vec::size;
+#if defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_QUANT_SIMD 1
+// One vector of lanes per ISA: AVX-512 covers a panel's 16 columns in one register, AVX2 in two halves of 8.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  const uint8_t* bytes = w.bits == 8 ? column + j * kChunk + first : column + j * (kChunk / 2) + first % 16;
-  __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  if (w.bits == 4) u = _mm512_and_si512(_mm512_srli_epi32(u, first < 16 ? 0 : 4), _mm512_set1_epi32(0x0F));
-  return {_mm512_cvtepi32_ps(u)};
+struct Lanes {
+  static constexpr int halves = 1;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zeroi() { return _mm512_setzero_si512(); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I shr(I a, int bits) { return _mm512_srli_epi32(a, bits); }
+  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I shl4(I a) { return _mm512_slli_epi32(a, 4); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F loadh(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // acc + per lane the sum of 4 products of unsigned bytes u (each below 16) and signed bytes a
+  static I dot4(I acc, I u, I a) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, a);
 #else
-  const uint8_t* bytes = w.bits == 8 ? column + j * kChunk + first : column + j * (kChunk / 2) + first % 16;
-  __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
-  if (w.bits == 4) u = _mm256_and_si256(_mm256_srli_epi32(u, first < 16 ? 0 : 4), _mm256_set1_epi32(0x0F));
-  return {_mm256_cvtepi32_ps(u)};
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
 #endif
-}
-
-// Inputs part * Vec::size onwards of chunk j of column n, dequantized.
-inline Vec weight_part(const Weights& w, int64_t n, const uint8_t* column, int64_t j, int part) {
-  const int64_t g = n * w.groups + (j * kChunk + part * Vec::size) / w.group;
-  return Vec::fma(chunk_part(w, column, j, part), Vec::broadcast(w.scales[g]), Vec::broadcast(w.offsets[g]));
-}
-
-void dequantize_column_simd(const Weights& w, int64_t n, float* out) {
-  const uint8_t* column = w.values + n * w.row_bytes();
-  for (int64_t j = 0; j < w.k / kChunk; ++j)
-    for (int part = 0; part < kParts; ++part)
-      weight_part(w, n, column, j, part).store(out + j * kChunk + part * Vec::size);
-}
-
-template <int R>
-struct FloatRows {
-  static void run(const Weights& w, int64_t n, const float* x, int64_t r0, float* result) {
-    const uint8_t* column = w.values + n * w.row_bytes();
-    Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Vec::zero();
-    for (int64_t j = 0; j < w.k / kChunk; ++j)
-      for (int part = 0; part < kParts; ++part) {
-        const Vec weight = weight_part(w, n, column, j, part);
-        for (int r = 0; r < R; ++r)
-          acc[r] = Vec::fma(weight, Vec::load(x + (r0 + r) * w.k + j * kChunk + part * Vec::size), acc[r]);
-      }
-    for (int r = 0; r < R; ++r) result[r] = acc[r].sum();
+  }
+  // the same for any unsigned bytes (vpmaddubsw would saturate: 16 * high nibbles + low nibbles)
+  static I dot8(I acc, I u, I a) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, a);
+#else
+    const I mask = set1(0x0F0F0F0F);
+    const I high = dot4(zeroi(), band(_mm512_srli_epi16(u, 4), mask), a);
+    return addi(dot4(acc, band(u, mask), a), shl4(high));
+#endif
+  }
+};
+#else
+struct Lanes {
+  static constexpr int halves = 2;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zeroi() { return _mm256_setzero_si256(); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I shr(I a, int bits) { return _mm256_srli_epi32(a, bits); }
+  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I shl4(I a) { return _mm256_slli_epi32(a, 4); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F loadh(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static I dot4(I acc, I u, I a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+  }
+  static I dot8(I acc, I u, I a) {
+    const I mask = set1(0x0F0F0F0F);
+    const I high = dot4(zeroi(), band(_mm256_srli_epi16(u, 4), mask), a);
+    return addi(dot4(acc, band(u, mask), a), shl4(high));
   }
 };
 #endif
+constexpr int kLanes = kPanel / Lanes::halves;
 
-#if PAGEDLLM_QUANT_SIMD
-// Kernel<rows>::run(args...) for 1 to kRows rows: the row count is a template argument, so that the accumulators
-// stay in registers.
-template <template <int> class Kernel, typename... Args>
-inline void with_rows(int64_t rows, const Args&... args) {
+// Half h of the 16 scales or offsets of panel p, group g.
+inline Lanes::F group_lanes(const Weights& w, const void* table, int64_t p, int64_t g, int h) {
+  const char* first = static_cast<const char*>(w.of_group(table, p, g));
+  return w.half ? Lanes::loadh(first + h * kLanes * 2) : Lanes::loadf(reinterpret_cast<const float*>(first) + h * kLanes);
+}
+
+// The int8 path over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's bytes with the
+// rows' int8 activations, then scaled by the column's scale and the chunk's activation scale, plus the offsets'
+// term. `sums` gets [R][16].
+template <int R, int Bits>
+void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, float* sums) {
+  const uint8_t* panel = w.panel(p);
+  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
+  const int32_t* a[R];
+  for (int r = 0; r < R; ++r) a[r] = reinterpret_cast<const int32_t*>(act.q.data() + (r0 + r) * w.k);
+  const Lanes::I mask = Lanes::set1(0x0F0F0F0F);
+  for (int h = 0; h < Lanes::halves; ++h) {
+    Lanes::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      Lanes::I dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = Lanes::zeroi();
+      for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
+        const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
+        if (Bits == 4) {
+          const Lanes::I low = Lanes::band(v, mask), high = Lanes::band(Lanes::shr(v, 4), mask);
+          for (int r = 0; r < R; ++r) {
+            dot[r] = Lanes::dot4(dot[r], low, Lanes::set1(a[r][2 * l]));
+            dot[r] = Lanes::dot4(dot[r], high, Lanes::set1(a[r][2 * l + 1]));
+          }
+        } else {
+          for (int r = 0; r < R; ++r) dot[r] = Lanes::dot8(dot[r], v, Lanes::set1(a[r][l]));
+        }
+      }
+      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = group_lanes(w, w.offsets, p, g, h);
+      const int64_t chunk = g * w.group / kChunk;
+      for (int r = 0; r < R; ++r) {
+        const Lanes::F d = Lanes::set1f(act.scale[(r0 + r) * act.chunks + chunk]);
+        acc[r] = Lanes::fma(Lanes::cvt(dot[r]), Lanes::mul(scale, d), acc[r]);
+        acc[r] = Lanes::fma(offset, Lanes::set1f(act.group_sum[(r0 + r) * act.groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
+  }
+}
+
+// The float path over panel p: each load's inputs dequantized to float32 (16 columns at a time) and multiplied by
+// every row's input, in order.
+template <int R, int Bits>
+void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float* sums) {
+  static constexpr int input4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, input8[4] = {0, 2, 1, 3};
+  const uint8_t* panel = w.panel(p);
+  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
+  const Lanes::I mask = Lanes::set1(Bits == 4 ? 0x0F : 0xFF);
+  for (int h = 0; h < Lanes::halves; ++h) {
+    Lanes::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = group_lanes(w, w.offsets, p, g, h);
+      for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
+        const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
+        for (int e = 0; e < per_load; ++e) {
+          const Lanes::F weight = Lanes::fma(Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask)), scale, offset);
+          const int64_t i = l * per_load + (Bits == 4 ? input4[e] : input8[e]);
+          for (int r = 0; r < R; ++r) acc[r] = Lanes::fma(weight, Lanes::set1f(x[(r0 + r) * w.k + i]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
+  }
+}
+
+// Kernel<rows, bits>::run(args...) for 1 to kRows rows: the row count is a template argument, so that the
+// accumulators stay in registers.
+template <int Bits, typename Run>
+inline void with_rows(int64_t rows, const Run& run) {
   static_assert(kRows == 4, "one case per row count");
   switch (rows) {
-    case 4: return Kernel<4>::run(args...);
-    case 3: return Kernel<3>::run(args...);
-    case 2: return Kernel<2>::run(args...);
-    default: return Kernel<1>::run(args...);
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return run(std::integral_constant<int, 1>{});
   }
 }
-#endif
-
-// Rows r0..r0+rows-1 of column n through the int8 path.
-void int8_column(const Weights& w, int64_t n, const Int8Activations& act, int64_t r0, int64_t rows, float* result) {
-#if PAGEDLLM_QUANT_SIMD
-  with_rows<Int8Rows>(rows, w, n, act, r0, result);
 #else
-  const uint8_t* column = w.values + n * w.row_bytes();
-  const float* scales = w.scales + n * w.groups;
-  alignas(64) uint8_t u[kChunk];
-  for (int64_t r = 0; r < rows; ++r) result[r] = 0.f;
-  for (int64_t j = 0; j < act.chunks; ++j) {
-    unpack_chunk_bytes(w, column, j, u);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t c = (r0 + r) * act.chunks + j;
-      const int8_t* a = act.q.data() + c * kChunk;
-      for (int64_t i = 0; i < kChunk; i += w.group) {
-        int32_t sum = 0;
-        for (int64_t e = i; e < i + w.group; ++e) sum += static_cast<int32_t>(u[e]) * a[e];
-        result[r] += static_cast<float>(sum) * (scales[(j * kChunk + i) / w.group] * act.scale[c]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) result[r] += offsets_term(w, n, act.group_sum.data() + (r0 + r) * act.groups);
+#define PAGEDLLM_QUANT_SIMD 0
 #endif
-}
 
-// Rows r0..r0+rows-1 of column n through the float path (`column` is scratch for K floats).
-void float_column(const Weights& w, int64_t n, const float* x, int64_t r0, int64_t rows, float* result,
-                  float* column) {
+// Sums [rows][16] of panel p for rows r0.. through the int8 path.
+void int8_sums(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, int64_t rows, float* sums) {
 #if PAGEDLLM_QUANT_SIMD
-  (void)column;
-  with_rows<FloatRows>(rows, w, n, x, r0, result);
-#else
-  dequantize_column(w, n, column);
-  for (int64_t r = 0; r < rows; ++r) result[r] = dot(x + (r0 + r) * w.k, column, w.k);
-#endif
-}
-
-void dequantize_any(const Weights& w, int64_t n, float* out) {
-#if PAGEDLLM_QUANT_SIMD
-  dequantize_column_simd(w, n, out);
-#else
-  dequantize_column(w, n, out);
-#endif
-}
-
-void store(const float* result, int64_t rows, int64_t n, int64_t out_features, const float* bias, void* out,
-           bool float_output, int64_t r0) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float v = result[r] + (bias != nullptr ? bias[n] : 0.f);
-    const int64_t at = (r0 + r) * out_features + n;
-    if (float_output)
-      static_cast<float*>(out)[at] = v;
+  with_rows<0>(rows, [&](auto r) {
+    if (w.bits == 4)
+      int8_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
     else
-      static_cast<at::BFloat16*>(out)[at] = at::BFloat16(v);
-  }
+      int8_panel<decltype(r)::value, 8>(w, p, act, r0, sums);
+  });
+#else
+  int8_panel_scalar(w, p, act, r0, rows, sums);
+#endif
+}
+
+void float_sums(const Weights& w, int64_t p, const float* x, int64_t r0, int64_t rows, float* sums) {
+#if PAGEDLLM_QUANT_SIMD
+  with_rows<0>(rows, [&](auto r) {
+    if (w.bits == 4)
+      float_panel<decltype(r)::value, 4>(w, p, x, r0, sums);
+    else
+      float_panel<decltype(r)::value, 8>(w, p, x, r0, sums);
+  });
+#else
+  float_panel_scalar(w, p, x, r0, rows, sums);
+#endif
+}
+
+void store(const float* sums, int64_t rows, int64_t p, const Weights& w, const float* bias, void* out,
+           bool float_output, int64_t r0) {
+  const int64_t columns = std::min<int64_t>(kPanel, w.n - p * kPanel);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < columns; ++c) {
+      const int64_t n = p * kPanel + c;
+      const float v = sums[r * kPanel + c] + (bias != nullptr ? bias[n] : 0.f);
+      const int64_t at = (r0 + r) * w.n + n;
+      if (float_output)
+        static_cast<float*>(out)[at] = v;
+      else
+        static_cast<at::BFloat16*>(out)[at] = at::BFloat16(v);
+    }
 }
 
 }  // namespace
@@ -338,16 +321,15 @@ bool quantized_linear_int8_simd() {
 // x [..., K] (float32 or bf16) times the quantized weight of N columns, plus an optional float bias:
 // [..., N] in x's dtype, or float32 when `float_output`. `int8_activations` picks the int8 path.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const at::Tensor& offsets, int64_t bits, int64_t group,
+                            const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
                             const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations) {
-  const Weights w(values, scales, offsets, bits, group);
+  const Weights w(values, scales, offsets, bits, group, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bf16 input");
   TORCH_CHECK(x.size(-1) == w.k, "input width ", x.size(-1), " does not match the weight's ", w.k);
-  const int64_t n = values.size(0);
   const at::Tensor rows = float_rows(x.reshape({-1, w.k}));
   const int64_t m = rows.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  shape.back() = w.n;
   const bool as_float = float_output || x.scalar_type() == at::kFloat;
   at::Tensor out = x.new_empty(shape, x.options().dtype(as_float ? at::kFloat : at::kBFloat16));
   if (m == 0) return out;
@@ -357,43 +339,53 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const float* xs = rows.data_ptr<float>();
   void* y = out.data_ptr();
   std::unique_ptr<Int8Activations> act;
-  if (int8_activations) act = std::make_unique<Int8Activations>(xs, m, w.k, w.group);
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> column(int8_activations ? 0 : w.k);
-    float result[kRows];
-    for (int64_t c = begin; c < end; ++c)
+  if (int8_activations) act = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
+  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kRows * kPanel];
+    for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t count = std::min<int64_t>(kRows, m - r0);
         if (int8_activations)
-          int8_column(w, c, *act, r0, count, result);
+          int8_sums(w, p, *act, r0, count, sums);
         else
-          float_column(w, c, xs, r0, count, result, column.data());
-        store(result, count, c, n, bias_ptr, y, as_float, r0);
+          float_sums(w, p, xs, r0, count, sums);
+        store(sums, count, p, w, bias_ptr, y, as_float, r0);
       }
   });
   return out;
 }
 
-// The whole weight as [N, K] float32 or bf16 (prefill and large batches run it through the dense GEMMs).
+// The whole weight as [N, K] float32 or bf16 (prefill and large batches of float32 models run it through the dense
+// GEMMs).
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
-                             int64_t bits, int64_t group, bool bf16) {
-  const Weights w(values, scales, offsets, bits, group);
-  const int64_t n = values.size(0);
-  at::Tensor out = values.new_empty({n, w.k}, values.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> column(bf16 ? w.k : 0);
-    for (int64_t c = begin; c < end; ++c) {
-      if (!bf16) {
-        dequantize_any(w, c, out.data_ptr<float>() + c * w.k);
-        continue;
+                             int64_t bits, int64_t group, int64_t out_features, bool bf16) {
+  const Weights w(values, scales, offsets, bits, group, out_features);
+  at::Tensor out = values.new_empty({w.n, w.k}, values.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  float* dense = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* dense_bf16 = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t per_load = w.inputs_per_load();
+  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+    static constexpr int input4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, input8[4] = {0, 2, 1, 3};
+    const int* input = w.bits == 4 ? input4 : input8;
+    const uint32_t mask = w.bits == 4 ? 0x0F : 0xFF;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t columns = std::min<int64_t>(kPanel, w.n - p * kPanel);
+      for (int64_t l = 0; l < w.k / per_load; ++l) {
+        const int64_t g = l * per_load / w.group;
+        for (int64_t c = 0; c < columns; ++c) {
+          const float scale = w.at(w.scales, p, g, c), offset = w.at(w.offsets, p, g, c);
+          const uint8_t* lane = w.panel(p) + l * kLoadBytes + c * 4;
+          const uint32_t word = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
+          const int64_t at = (p * kPanel + c) * w.k + l * per_load;
+          for (int64_t e = 0; e < per_load; ++e) {
+            const float v = std::fma(static_cast<float>((word >> (w.bits * e)) & mask), scale, offset);
+            if (bf16)
+              dense_bf16[at + input[e]] = at::BFloat16(v);
+            else
+              dense[at + input[e]] = v;
+          }
+        }
       }
-      dequantize_any(w, c, column.data());
-      at::BFloat16* dst = out.data_ptr<at::BFloat16>() + c * w.k;
-#if defined(PAGEDLLM_VEC)
-      for (int64_t i = 0; i < w.k; i += pagedllm::Vec::size) pagedllm::Vec::load(column.data() + i).store(dst + i);
-#else
-      for (int64_t i = 0; i < w.k; ++i) dst[i] = at::BFloat16(column[i]);
-#endif
     }
   });
   return out;

@@ -1,10 +1,10 @@
 // bf16 linear layers over block-quantized weights (quantized_weights.h), with bf16 activations:
 // - many rows (prompt chunks, large batches): each block of 64 output columns is dequantized to bf16 in registers,
-//   straight into brgemm's pair-interleaved B layout in a thread's scratch, and every row tile is multiplied by it
-//   there (oneDNN's micro-kernels: AMX tiles or AVX512_BF16). A row's result is bit for bit what the dense bf16
-//   linear (linear_bf16.cpp) gives over the dequantized weight.
-// - a few rows (a decode step's): each chunk of a column is dequantized to bf16 in registers and dotted with the
-//   rows by vdpbf16ps as it streams by.
+//   panel by panel straight into brgemm's pair-interleaved B layout in a thread's scratch, and every row tile is
+//   multiplied by it there (oneDNN's micro-kernels: AMX tiles or AVX512_BF16). A row's result is bit for bit what
+//   the dense bf16 linear (linear_bf16.cpp) gives over the dequantized weight.
+// - a few rows (a decode step's): each panel's values are dotted with the rows by vdpbf16ps as they stream by, 16
+//   columns per vector, and scaled per group.
 // Either way the weights are read once per call at their quantized size, and the activations are not rounded to
 // int8 (quantized_linear.cpp's faster, less precise path).
 #include <ATen/core/Tensor.h>
@@ -32,119 +32,127 @@
 namespace {
 
 using pagedllm::cdiv;
-using pagedllm::kChunk;
 using pagedllm::kColumns;
 using pagedllm::kHalf;
+using pagedllm::kLoadBytes;
+using pagedllm::kPanel;
+using pagedllm::kPrefetchLoads;
 using Weights = pagedllm::QuantizedWeights;
 
-// r[i] lane j <-> r[j] lane i, for sixteen 32-bit lanes.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // each 128-bit lane now holds a 4x4 block; gather the blocks
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);       // 128-bit lanes 0, 2 of both
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);   // lanes 1, 3
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
+// The 16 scales or offsets of panel p, group g.
+inline __m512 group_lanes(const Weights& w, const void* table, int64_t p, int64_t g) {
+  const void* first = w.of_group(table, p, g);
+  return w.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(first)))
+                : _mm512_loadu_ps(static_cast<const float*>(first));
 }
 
-// Chunk j of a column (its values, scales and offsets) as 32 bf16, inputs in order (16 pairs): w = scale * u +
-// offset, rounded once. g0 and g1 are the groups of inputs 0-15 and 16-31.
+// Pairs of 4-bit values as bf16 pairs 128 + u: or-ing u into the mantissa of 128.0 (0x4300) is exact, and the
+// offsets' term takes the 128 back (kMagic).
+inline __m512i magic_pairs(__m512i v, int shift) {
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000F000F),
+                                   _mm512_set1_epi32(0x43004300), 0xEA);  // (a & b) | c
+}
+
+// The 16 columns of panel p as bf16 pairs, into dst in brgemm's B layout of ldb columns: dst[q * ldb + c] is the
+// pair of inputs 2q and 2q + 1 of column c, as one 32-bit word; w = scale * u + offset, rounded once.
 template <int Bits>
-inline __m512i chunk_bf16(const uint8_t* column, const float* scales, const float* offsets, int64_t j, int64_t g0,
-                          int64_t g1) {
-  __m512i low, high;  // inputs 0-15 and 16-31 as int32
-  if (Bits == 4) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + j * (kChunk / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    low = _mm512_cvtepu8_epi32(_mm_and_si128(packed, mask));
-    high = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-  } else {
-    low = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + j * kChunk)));
-    high = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(column + j * kChunk + 16)));
-  }
-  const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(scales[g0]), _mm512_set1_ps(offsets[g0]));
-  const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(scales[g1]), _mm512_set1_ps(offsets[g1]));
-  return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
-}
-
-// Columns n0 .. n0 + 15 into dst, brgemm's B layout of ldb columns: dst[p * ldb + c] is the bf16 pair of inputs 2p
-// and 2p + 1 of column c, as one 32-bit word. Columns past `count` repeat the last one: the tile's results for them
-// are never stored.
-template <int Bits>
-void dequantize_16_columns(const Weights& w, int64_t n0, int64_t count, uint32_t* dst, int64_t ldb) {
-  const uint8_t* columns[16];
-  const float* scales[16];
-  const float* offsets[16];
-  for (int64_t c = 0; c < 16; ++c) {
-    const int64_t n = n0 + std::min(c, count - 1);
-    columns[c] = w.values + n * w.row_bytes();
-    scales[c] = w.scales + n * w.groups;
-    offsets[c] = w.offsets + n * w.groups;
-  }
-  const int64_t two_groups = w.group == 16 ? 1 : 0;  // a chunk is one group of 32 or two of 16
-  __m512i r[16];
-  for (int64_t j = 0; j < w.k / kChunk; ++j) {
-    const int64_t g0 = j << two_groups, g1 = g0 + two_groups;
-    for (int64_t c = 0; c < 16; ++c) r[c] = chunk_bf16<Bits>(columns[c], scales[c], offsets[c], j, g0, g1);
-    transpose16(r);  // r[p] holds pair p of the chunk for the 16 columns
-    for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(dst + (j * 16 + p) * ldb, r[p]);
-  }
-}
-
-// Rows r0 .. r0 + R - 1 of x (bf16, row stride lda) dotted with column n, each chunk of the column dequantized to
-// bf16 in registers once for all R rows: vdpbf16ps sums the exact products of bf16 weights and bf16 activations in
-// float32, as the dense bf16 GEMM does, in another order. Two accumulators per row, for even and odd chunks.
-template <int Bits, int R>
-void gemv_column(const Weights& w, int64_t n, const at::BFloat16* x, int64_t lda, float* result) {
-  const uint8_t* column = w.values + n * w.row_bytes();
-  const float* scales = w.scales + n * w.groups;
-  const float* offsets = w.offsets + n * w.groups;
-  const int64_t two_groups = w.group == 16 ? 1 : 0;
-  __m512 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const auto step = [&](int64_t j, __m512* sums) {
-    const int64_t g0 = j << two_groups;
-    const __m512bh weights = (__m512bh)chunk_bf16<Bits>(column, scales, offsets, j, g0, g0 + two_groups);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_loadu_si512(x + r * lda + j * kChunk);
-      sums[r] = _mm512_dpbf16_ps(sums[r], weights, a);
+void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
+  const uint8_t* panel = w.panel(p);
+  const int64_t per_load = Bits == 4 ? 8 : 4;
+  const __m512i mask = _mm512_set1_epi32(Bits == 4 ? 0x0F : 0xFF);
+  // bf16 element 2c from the first operand's lane c, 2c + 1 from the second's
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(interleave);
+  for (int64_t l = 0; l < w.k / per_load; ++l) {
+    const int64_t g = l * per_load / w.group;
+    const __m512 scale = group_lanes(w, w.scales, p, g), offset = group_lanes(w, w.offsets, p, g);
+    const __m512i v = _mm512_loadu_si512(panel + l * kLoadBytes);
+    for (int q = 0; q < per_load / 2; ++q) {
+      // 4 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
+      const int first = Bits == 4 ? 4 * q : 8 * q, second = Bits == 4 ? 4 * q + 16 : 8 * q + 16;
+      const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, first), mask)),
+                                          scale, offset);
+      const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, second), mask)),
+                                         scale, offset);
+      const __m512i pairs = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+      _mm512_storeu_si512(dst + (l * per_load / 2 + q) * ldb, pairs);
     }
-  };
-  const int64_t chunks = w.k / kChunk;
-  int64_t j = 0;
-  for (; j + 1 < chunks; j += 2) {
-    step(j, even);
-    step(j + 1, odd);
   }
-  if (j < chunks) step(j, even);
-  for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+// Per row and group, the float32 sum of the row's bf16 inputs (the offsets' term).
+std::vector<float> group_sums(const at::BFloat16* x, int64_t lda, int64_t m, const Weights& w) {
+  std::vector<float> sums(m * w.groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) s += static_cast<float>(x[r * lda + i]);
+      sums[r * w.groups + g] = s;
+    }
+  return sums;
+}
+
+// Rows r0 .. r0 + R - 1 of x (bf16, row stride lda) times panel p, 16 columns at a time: vdpbf16ps sums the exact
+// products of each bf16 input pair with the pair of values 128 + u (exact in bf16) per group, and the group's sum
+// is scaled: sum(w x) = scale * sum((128 + u) x) + (offset - 128 * scale) * sum(x). 8-bit values split into their
+// nibbles, u = 16 * high + low. No weight is rounded to bf16, so this is nearer float32 than the dense bf16 linear.
+template <int Bits, int R>
+void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda, const float* sums, float* out) {
+  const uint8_t* panel = w.panel(p);
+  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
+  const float magic = Bits == 4 ? 128.f : 16.f * 128.f + 128.f;
+  const uint32_t* pairs[R];
+  for (int r = 0; r < R; ++r) pairs[r] = reinterpret_cast<const uint32_t*>(x + r * lda);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 a[R], b[R];  // two sums per row: alternate pairs (4 bits), low and high nibbles (8 bits)
+    for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(panel + l * kLoadBytes);
+      if (Bits == 4) {
+        for (int q = 0; q < 4; ++q) {
+          const __m512bh weights = (__m512bh)magic_pairs(v, 4 * q);
+          for (int r = 0; r < R; ++r) {
+            const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][4 * l + q]);
+            if (q % 2 == 0)
+              a[r] = _mm512_dpbf16_ps(a[r], weights, input);
+            else
+              b[r] = _mm512_dpbf16_ps(b[r], weights, input);
+          }
+        }
+      } else {
+        for (int q = 0; q < 2; ++q) {
+          const __m512bh low = (__m512bh)magic_pairs(v, 8 * q), high = (__m512bh)magic_pairs(v, 8 * q + 4);
+          for (int r = 0; r < R; ++r) {
+            const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][2 * l + q]);
+            a[r] = _mm512_dpbf16_ps(a[r], low, input);
+            b[r] = _mm512_dpbf16_ps(b[r], high, input);
+          }
+        }
+      }
+    }
+    const __m512 scale = group_lanes(w, w.scales, p, g);
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, group_lanes(w, w.offsets, p, g));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = Bits == 4 ? _mm512_add_ps(a[r], b[r]) : _mm512_fmadd_ps(b[r], _mm512_set1_ps(16.f), a[r]);
+      acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(sums[r * w.groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
 }
 
 template <int Bits>
-void gemv_columns(const Weights& w, int64_t n, const at::BFloat16* x, int64_t lda, int64_t rows, float* result) {
+void gemv_rows(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda, const float* sums, int64_t rows,
+               float* out) {
   switch (rows) {
-    case 4: return gemv_column<Bits, 4>(w, n, x, lda, result);
-    case 3: return gemv_column<Bits, 3>(w, n, x, lda, result);
-    case 2: return gemv_column<Bits, 2>(w, n, x, lda, result);
-    default: return gemv_column<Bits, 1>(w, n, x, lda, result);
+    case 4: return gemv_panel<Bits, 4>(w, p, x, lda, sums, out);
+    case 3: return gemv_panel<Bits, 3>(w, p, x, lda, sums, out);
+    case 2: return gemv_panel<Bits, 2>(w, p, x, lda, sums, out);
+    default: return gemv_panel<Bits, 1>(w, p, x, lda, sums, out);
   }
 }
 
@@ -162,15 +170,14 @@ class DequantizedBlock {
       row0_ = row0;
       halves_ = 0;
     }
-    for (int64_t first = c0; first < c0 + width; first += 16) {
+    for (int64_t first = c0; first < c0 + width; first += kPanel) {
       const int half = static_cast<int>(first / kHalf);
       if (halves_ & (1 << half)) continue;
-      const int64_t count = std::min<int64_t>(16, c0 + width - first);
       if (w.bits == 4)
-        dequantize_16_columns<4>(w, row0 + first, count, pairs_.get() + first, kColumns);
+        dequantize_panel<4>(w, (row0 + first) / kPanel, pairs_.get() + first, kColumns);
       else
-        dequantize_16_columns<8>(w, row0 + first, count, pairs_.get() + first, kColumns);
-      if (first + 16 >= c0 + width || (first + 16) % kHalf == 0) halves_ |= 1 << half;
+        dequantize_panel<8>(w, (row0 + first) / kPanel, pairs_.get() + first, kColumns);
+      if (first + kPanel >= c0 + width || (first + kPanel) % kHalf == 0) halves_ |= 1 << half;
     }
     return reinterpret_cast<const at::BFloat16*>(pairs_.get() + c0);
   }
@@ -195,11 +202,11 @@ bool quantized_linear_bf16_available() { return PAGEDLLM_QUANTIZED_BF16; }
 // columns of a block once, when its first tile there needs them, so each weight is read and dequantized once per
 // call (twice for a block two threads share).
 at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                 const at::Tensor& offsets, int64_t bits, int64_t group,
+                                 const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
                                  const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group);
-  const int64_t n = values.size(0);
+  const Weights w(values, scales, offsets, bits, group, out_features);
+  const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
   const int64_t element = float_output ? 4 : 2;
@@ -228,8 +235,8 @@ at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Ten
                                               int64_t group, const c10::optional<at::Tensor>& bias,
                                               int64_t width) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group);
-  TORCH_CHECK(values.size(0) == 2 * width, "a [gate; up] weight of ", 2 * width, " rows is required");
+  const Weights w(values, scales, offsets, bits, group, 2 * width);
+  TORCH_CHECK(width % kPanel == 0, "a [gate; up] weight whose halves are whole panels of 16 columns is required");
   const pagedllm::LinearOperands op(x, w.k, bias, width, at::kBFloat16);
   if (op.m == 0) return op.out;
   pagedllm::for_each_tile<GateAndUp>(cdiv(width, kColumns), op.m, [&](GateAndUp& held, int64_t p, int64_t r0,
@@ -258,32 +265,36 @@ at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Ten
 // and dotted with the rows as it streams by, so a call reads the weights once at their quantized size. Its sums
 // run in another order than the tiles', so a row's result may differ from theirs in the last bit.
 at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                               const at::Tensor& offsets, int64_t bits, int64_t group,
+                               const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
                                const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group);
-  const int64_t n = values.size(0);
+  const Weights w(values, scales, offsets, bits, group, out_features);
+  const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   const int64_t m = op.m, lda = op.lda;
   const float* bias_ptr = op.bias_ptr;
   const at::BFloat16* a = op.a;
   void* y = op.y;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float result[4];
-    for (int64_t c = begin; c < end; ++c)
+  const std::vector<float> sums = group_sums(a, lda, m, w);
+  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float result[4 * kPanel];
+    for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t count = std::min<int64_t>(4, m - r0);
         if (w.bits == 4)
-          gemv_columns<4>(w, c, a + r0 * lda, lda, count, result);
+          gemv_rows<4>(w, p, a + r0 * lda, lda, sums.data() + r0 * w.groups, count, result);
         else
-          gemv_columns<8>(w, c, a + r0 * lda, lda, count, result);
-        for (int64_t r = 0; r < count; ++r) {
-          const float v = result[r] + (bias_ptr != nullptr ? bias_ptr[c] : 0.f);
-          if (float_output)
-            static_cast<float*>(y)[(r0 + r) * n + c] = v;
-          else
-            static_cast<at::BFloat16*>(y)[(r0 + r) * n + c] = at::BFloat16(v);
-        }
+          gemv_rows<8>(w, p, a + r0 * lda, lda, sums.data() + r0 * w.groups, count, result);
+        const int64_t columns = std::min<int64_t>(kPanel, n - p * kPanel);
+        for (int64_t r = 0; r < count; ++r)
+          for (int64_t c = 0; c < columns; ++c) {
+            const int64_t col = p * kPanel + c;
+            const float v = result[r * kPanel + c] + (bias_ptr != nullptr ? bias_ptr[col] : 0.f);
+            if (float_output)
+              static_cast<float*>(y)[(r0 + r) * n + col] = v;
+            else
+              static_cast<at::BFloat16*>(y)[(r0 + r) * n + col] = at::BFloat16(v);
+          }
       }
   });
   return op.out;

@@ -1,39 +1,88 @@
 // A view of a block-quantized weight in the one layout every quantized kernel reads: w = scale * u + offset, u an
-// unsigned 4-bit or 8-bit value, a float32 scale and offset per group of 16 or 32 inputs of an output column. 4-bit
-// values pack a chunk of 32 inputs in 16 bytes, byte i holding input i (low nibble) and input i + 16 (high).
+// unsigned 4-bit or 8-bit value, a float32 scale and offset per group of 16 or 32 inputs of an output column.
+//
+// Columns are stored in panels of 16, side by side: one 64-byte load holds the same few inputs of all 16 columns, a
+// column per 32-bit lane, so that a kernel sums 16 columns at once, with no horizontal sums or transpositions, and
+// reads each weight once per call. Inside a lane:
+// - 4 bits: 8 inputs i..i+7 (i a multiple of 8). Nibble k (bits 4k..4k+3) holds input i + 2k for k < 4 and input
+//   i + 2(k - 4) + 1 for k >= 4, so a shift by 4k and the mask 0x000F000F leave inputs i + 2k and i + 2k + 1 as a
+//   pair of 16-bit halves (a bf16 pair), and the mask 0x0F0F0F0F leaves the bytes of inputs i, i+4, i+1, i+5 (and of
+//   i+2, i+6, i+3, i+7 after a shift by 4: int8 dot products with activations in that order, kInt8Order4).
+// - 8 bits: 4 inputs i..i+3, byte b holding input i + {0, 2, 1, 3}[b]: a shift by 0 or 8 and the mask 0x00FF00FF
+//   leave the pairs (i, i+1) and (i+2, i+3).
+// Scales and offsets are [panels][groups][16], float32, or float16 where every one of them is exact in it (GGUF's
+// Q4_0, Q4_1 and Q8_0 keep theirs in float16): fewer bytes per weight for the bandwidth-bound decode. A weight whose
+// columns do not fill its last panel is padded with zero columns.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
 namespace pagedllm {
 
-constexpr int64_t kChunk = 32;  // inputs per packed chunk (and per activation scale of the int8 path)
+constexpr int64_t kChunk = 32;       // inputs per activation scale of the int8 path
+constexpr int64_t kPanel = 16;       // columns per panel
+constexpr int64_t kLoadBytes = 64;   // one load: kPanel lanes of 32 bits
+// Loads ahead that the streaming kernels prefetch: one core's few outstanding misses, not the hardware prefetcher,
+// bound a stream's rate otherwise (docs/quantization.md).
+constexpr int64_t kPrefetchLoads = 32;
+// Input order of the int8 path's activation bytes, per 8 inputs, for each width of weights.
+constexpr int kInt8Order4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int kInt8Order8[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 struct QuantizedWeights {
   const uint8_t* values;
-  const float* scales;
-  const float* offsets;
-  int64_t bits, group, k, groups;
+  const void* scales;
+  const void* offsets;
+  bool half;  // scales and offsets in float16
+  int64_t bits, group, k, n, panels, groups;
 
-  QuantizedWeights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, int64_t bits_, int64_t group_)
-      : bits(bits_), group(group_) {
+  QuantizedWeights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, int64_t bits_, int64_t group_,
+                   int64_t n_)
+      : bits(bits_), group(group_), n(n_) {
     TORCH_CHECK(bits == 4 || bits == 8, "4-bit or 8-bit values, got ", bits);
     TORCH_CHECK(group == 16 || group == 32, "groups of 16 or 32 inputs, got ", group);
-    TORCH_CHECK(v.dim() == 2 && v.scalar_type() == at::kByte && v.is_contiguous(), "values: contiguous uint8 [N, *]");
-    TORCH_CHECK(s.scalar_type() == at::kFloat && o.scalar_type() == at::kFloat && s.is_contiguous() &&
-                    o.is_contiguous() && s.sizes() == o.sizes() && s.size(0) == v.size(0),
-                "scales and offsets: contiguous float32 [N, groups]");
-    k = v.size(1) * 8 / bits;
+    TORCH_CHECK(v.dim() == 2 && v.scalar_type() == at::kByte && v.is_contiguous(), "values: contiguous uint8 [P, *]");
+    half = s.scalar_type() == at::kHalf;
+    TORCH_CHECK(s.dim() == 3 && (s.scalar_type() == at::kFloat || half) && o.scalar_type() == s.scalar_type() &&
+                    s.is_contiguous() && o.is_contiguous() && s.sizes() == o.sizes() && s.size(0) == v.size(0) &&
+                    s.size(2) == kPanel,
+                "scales and offsets: contiguous float32 or float16 [panels, groups, 16]");
+    panels = v.size(0);
+    k = v.size(1) * 8 / bits / kPanel;
     groups = s.size(1);
     TORCH_CHECK(k % kChunk == 0 && groups * group == k, "the input width ", k, " must be whole chunks of 32 and ",
                 "match the scales' ", groups, " groups of ", group);
+    TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, n, " columns do not fill ", panels, " panels");
     values = v.data_ptr<uint8_t>();
-    scales = s.data_ptr<float>();
-    offsets = o.data_ptr<float>();
+    scales = s.data_ptr();
+    offsets = o.data_ptr();
   }
-  int64_t row_bytes() const { return k * bits / 8; }
+  int64_t panel_bytes() const { return k * kPanel * bits / 8; }
+  const uint8_t* panel(int64_t p) const { return values + p * panel_bytes(); }
+  // where the 16 scales or offsets of panel p, group g start
+  const void* of_group(const void* table, int64_t p, int64_t g) const {
+    return static_cast<const char*>(table) + (p * groups + g) * kPanel * (half ? 2 : 4);
+  }
+  // the scale or offset of column c there
+  float at(const void* table, int64_t p, int64_t g, int64_t c) const {
+    const void* first = of_group(table, p, g);
+    return half ? static_cast<float>(static_cast<const c10::Half*>(first)[c]) : static_cast<const float*>(first)[c];
+  }
+  int64_t inputs_per_load() const { return bits == 4 ? 8 : 4; }
+  // u of column c of panel p at input i, read one at a time (the scalar path and tests).
+  int u(int64_t p, int64_t c, int64_t i) const {
+    const uint8_t* load = panel(p) + i / inputs_per_load() * kLoadBytes + c * 4;
+    if (bits == 8) {
+      static constexpr int byte_of[4] = {0, 2, 1, 3};
+      return load[byte_of[i % 4]];
+    }
+    const int r = static_cast<int>(i % 8), nibble = r % 2 == 0 ? r / 2 : 4 + r / 2;
+    const uint32_t lane = load[0] | (load[1] << 8) | (load[2] << 16) | (static_cast<uint32_t>(load[3]) << 24);
+    return (lane >> (4 * nibble)) & 0x0F;
+  }
 };
 
 }  // namespace pagedllm

@@ -189,3 +189,56 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
         d = d.half().float().reshape(rows, -1)
         return QuantizedWeight(pack_values(u, 4), d.contiguous(), (-8 * d).contiguous(), 4, CHUNK, fmt)
     raise ValueError(f"unknown quantization {fmt!r}: use one of {', '.join(QUANTIZE_FORMATS)}")
+
+
+PANEL = 16  # output columns per panel of the kernels' layout (csrc/quantized_weights.h)
+
+
+@dataclasses.dataclass
+class PanelWeight:
+    """A QuantizedWeight as the kernels read it: its columns in panels of 16 stored side by side, so that one 64-byte
+    load holds the same inputs of 16 columns (csrc/quantized_weights.h describes the order inside a load)."""
+
+    values: torch.Tensor  # uint8 [panels, in * 16 * bits / 8]
+    scales: torch.Tensor  # float32 or float16 [panels, groups, 16]
+    offsets: torch.Tensor  # the same
+    bits: int
+    group: int
+    format: str
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.values.shape[1] * 8 // self.bits // PANEL
+
+    @property
+    def arguments(self) -> tuple:
+        """The weight's arguments of the quantized kernels, in their order."""
+        return self.values, self.scales, self.offsets, self.bits, self.group, self.out_features
+
+
+def to_panels(weight: QuantizedWeight) -> PanelWeight:
+    """``weight`` in panels of 16 columns (the last one padded with zero columns), converted a few thousand rows at a
+    time so that an LM head's conversion holds little more than its result."""
+    n, k, bits = weight.out_features, weight.in_features, weight.bits
+    panels, groups = -(-n // PANEL), weight.scales.shape[1]
+    values = torch.empty(panels, k * PANEL * bits // 8, dtype=torch.uint8)
+    by_column = {"scales": torch.zeros(panels * PANEL, groups), "offsets": torch.zeros(panels * PANEL, groups)}
+    step = 256  # panels per piece
+    for first in range(0, panels, step):
+        rows = slice(first * PANEL, min(n, (first + step) * PANEL))
+        count = min(step, panels - first)
+        u = unpack_values(weight.values[rows], bits)
+        if u.shape[0] < count * PANEL:
+            u = torch.cat([u, u.new_zeros(count * PANEL - u.shape[0], k)])
+        if bits == 4:  # a lane's bytes: inputs 0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4 of each 8
+            lanes = u.reshape(count, PANEL, k // 8, 8).transpose(1, 2)
+            packed = lanes[..., [0, 4, 1, 5]] | (lanes[..., [2, 6, 3, 7]] << 4)
+        else:  # a lane's bytes: inputs 0, 2, 1, 3 of each 4
+            packed = u.reshape(count, PANEL, k // 4, 4).transpose(1, 2)[..., [0, 2, 1, 3]]
+        values[first:first + count] = packed.reshape(count, -1)
+    by_column["scales"][:n], by_column["offsets"][:n] = weight.scales, weight.offsets
+    scales, offsets = (t.reshape(panels, PANEL, groups).transpose(1, 2).contiguous() for t in by_column.values())
+    if all(torch.equal(t.half().float(), t) for t in (scales, offsets)):  # GGUF's float16 scales: half the bytes
+        scales, offsets = scales.half(), offsets.half()
+    return PanelWeight(values, scales, offsets, bits, weight.group, weight.format, n)

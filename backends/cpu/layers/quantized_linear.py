@@ -1,8 +1,8 @@
 """Linear layers over block-quantized weights (quant_formats.QuantizedWeight), through csrc/quantized_linear.cpp.
 
-A decode step's few rows go through the quantized kernel, which reads each weight once per step: batch-1 decode is
+A decode step's few rows go through a streaming kernel, which reads each weight once per step: batch-1 decode is
 bound by the bytes of weights it reads. More rows (prompt chunks, large batches) are compute-bound: the weight is
-dequantized for the call and goes through the dense GEMM, whose tiles the quantized kernel does not match.
+dequantized to tiles (bf16 models) or whole (float32 models) for the dense GEMM.
 
 Until the linears are swapped, a quantized weight rides on its nn.Linear (``attach``), whose dense weight becomes a
 meta tensor, so that sharding and fusing carry it along without holding the dense weights.
@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight
+from pagedllm.backends.cpu.layers.quant_formats import PANEL, QuantizedWeight, to_panels
 
 QUANTIZED_WEIGHT = "quantized_weight"
 # float32 models: up to this many rows the quantized kernel runs; above, the dequantized weight and the dense GEMM.
 SMALL_ROWS = 16
-# bf16 models: up to this many rows each weight is dequantized in registers and dotted with every row (a decode
-# step's few rows); above, bf16 tiles for brgemm, whose matrix units win from about 4 rows on (see
-# benchmarks/quantized_linear.py).
-GEMV_ROWS = 4
+# bf16 models: up to this many rows (by bits per value) each panel's values are dotted with every row as they stream
+# by (a decode step's few rows); above, bf16 tiles for brgemm, whose matrix units win from there on (see
+# benchmarks/quantized_linear.py; 8-bit values take twice the dot products). The int8 path runs up to 4 rows.
+GEMV_ROWS = {4: 4, 8: 2}
+INT8_ROWS = 4
 
 
 def quantized_weight(linear: torch.nn.Module) -> QuantizedWeight | None:
@@ -35,16 +36,23 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
     linear.weight = torch.nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"), requires_grad=False)
 
 
+def quantized_bytes(model: torch.nn.Module) -> int:
+    """The bytes the model's quantized linears hold (values, scales and offsets, in panels)."""
+    return sum(sum(t.nbytes for t in (m.values, m.scales, m.offsets))
+               for m in model.modules() if isinstance(m, QuantizedLinear))
+
+
 def quantized_path(model: torch.nn.Module) -> str:
     """How the model's quantized linears take their dot products (one way for all of them)."""
     return next(module.path for module in model.modules() if isinstance(module, QuantizedLinear))
 
 
 class QuantizedLinear(torch.nn.Module):
-    """nn.Linear's forward over a QuantizedWeight. bf16 models dequantize the weight to bf16 in registers for up to
-    GEMV_ROWS rows (a decode step's), to bf16 tiles for brgemm above, so their activations stay bf16 as in the
-    dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs up to GEMV_ROWS
-    rows instead and take integer dot products (as llama.cpp: faster, less precise). float32 models dequantize each
+    """nn.Linear's forward over a QuantizedWeight, held in panels of 16 columns (quant_formats.to_panels). bf16
+    models dot the values with their bf16 activations as they stream by for a decode step's few rows (``few_rows``),
+    weights unrounded, and dequantize them to bf16 tiles for brgemm above, so their activations stay bf16 as in the
+    dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs for the few rows
+    instead and take integer dot products (as llama.cpp: faster, less precise). float32 models dequantize each
     weight to float32 in the kernel up to SMALL_ROWS rows (the exact path), the whole weight for the dense GEMM
     above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every row count on one
     kernel (batch invariance: each path sums in its own order)."""
@@ -54,13 +62,16 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group, self.format = weight.bits, weight.group, weight.format
-        self.register_buffer("values", weight.values)
-        self.register_buffer("scales", weight.scales)
-        self.register_buffer("offsets", weight.offsets)
+        panels = to_panels(weight)
+        self.register_buffer("values", panels.values)
+        self.register_buffer("scales", panels.scales)
+        self.register_buffer("offsets", panels.offsets)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.bf16_kernels = bf16 and kernels.quantized_linear_bf16_available()
         # int8 activations need a bf16 model; without the bf16 kernels they are its only quantized kernel
         self.int8_activations = bf16 and (int8_activations or not self.bf16_kernels)
+        # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
+        self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
         self.float_output = False
         self.kernel_only = kernel_only
         self._kernels = kernels
@@ -74,15 +85,15 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.bias)
+        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.out_features, self.bias)
         if self.bf16_kernels:
-            if self.kernel_only or rows > GEMV_ROWS:
+            if self.kernel_only or rows > self.few_rows:
                 return self._kernels.quantized_linear_bf16(x, *weight, self.float_output)
             if not self.int8_activations:
                 return self._kernels.quantized_gemv_bf16(x, *weight, self.float_output)
         if self.kernel_only or rows <= SMALL_ROWS:
             return self._kernels.quantized_linear(x, *weight, self.float_output, self.int8_activations)
-        dense = self._kernels.dequantize_weight(*weight[:5], x.dtype == torch.bfloat16)
+        dense = self._kernels.dequantize_weight(*weight[:6], x.dtype == torch.bfloat16)
         out = F.linear(x, dense, None if self.bias is None else self.bias.to(x.dtype))
         return out.float() if self.float_output else out
 
@@ -93,8 +104,8 @@ class QuantizedLinear(torch.nn.Module):
 
 class QuantizedSiluAndMul(QuantizedLinear):
     """A SwiGLU's quantized gate and up projections ([gate; up] rows) returning silu(gate) * up: in bf16 tiles the
-    two are combined in the GEMM's epilogue, as BrgemmSiluAndMul does over dense weights; a few rows take the
-    unfused product and the SiLU kernel."""
+    two are combined in the GEMM's epilogue, as BrgemmSiluAndMul does over dense weights, where each half is whole
+    panels; a few rows take the unfused product and the SiLU kernel."""
 
     fuses_silu_and_mul = True
 
@@ -104,7 +115,7 @@ class QuantizedSiluAndMul(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.bf16_kernels and (self.kernel_only or rows > GEMV_ROWS):
+        if self.bf16_kernels and (self.kernel_only or rows > self.few_rows) and self.width % PANEL == 0:
             return self._kernels.quantized_linear_silu_and_mul_bf16(
                 x, self.values, self.scales, self.offsets, self.bits, self.group, self.bias, self.width)
         both = super().forward(x)

@@ -57,3 +57,10 @@ def keep_freed_memory() -> str:
         return f"allocator: glibc malloc, untuned (mallopt refused) ({tcmalloc_status()})"
     return (f"allocator: glibc malloc keeping freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim "
             f"threshold {TRIM_THRESHOLD >> 20} MiB); {tcmalloc_status()}")
+
+
+def return_loading_memory() -> None:
+    """Hand the memory that loading freed (conversion buffers, dequantized tables) back to the kernel once: kept,
+    it stays resident for good, since steps reuse only their own blocks (glibc; TCMalloc releases its own)."""
+    if not tcmalloc_loaded() and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)

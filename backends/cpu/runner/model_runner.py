@@ -17,7 +17,7 @@ from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.layers.lora import StepAdapters, load_adapter, wrap_projections
 from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
-from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, quantized_path
+from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, INT8_ROWS, quantized_bytes, quantized_path
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
@@ -38,9 +38,9 @@ LINEAR_KINDS = {"quantized": "on quantized weights",
                 "oneDNN": "packed for oneDNN"}
 # How the quantized linears take their dot products (QuantizedLinear.path), for the log.
 QUANTIZED_PATHS = {
-    "bf16": f"dequantize their weights to bf16 in registers up to {GEMV_ROWS} rows and to bf16 tiles for brgemm "
-            f"above (bf16 activations, as the dense model)",
-    "int8 and bf16 tiles": f"quantize their activations to int8 per 32 inputs up to {GEMV_ROWS} rows (int8 dot "
+    "bf16": f"dot their values with bf16 activations as they stream by up to {GEMV_ROWS[4]} rows ({GEMV_ROWS[8]} for "
+            f"8-bit values), unrounded, and dequantize them to bf16 tiles for brgemm above (as the dense model)",
+    "int8 and bf16 tiles": f"quantize their activations to int8 per 32 inputs up to {INT8_ROWS} rows (int8 dot "
                            f"products, as llama.cpp), and dequantize their weights to bf16 tiles for brgemm above",
     "int8": "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
     "float32": "dequantize their weights to float32 in the kernel (float32 dot products)"}
@@ -121,7 +121,8 @@ class ModelRunner:
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                        if count) or "nn.Linear",
                     "; the LM head returns float32 logits" if head_in_float32 else "",
-                    f"; quantized ones {QUANTIZED_PATHS[quantized_path(self.model)]}" if packed["quantized"] else "")
+                    f"; quantized ones hold {quantized_bytes(self.model) / 2**20:.0f} MiB and "
+                    f"{QUANTIZED_PATHS[quantized_path(self.model)]}" if packed["quantized"] else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))
         if self.batch_invariant:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.backends.common.cpu_binding import ThreadPlan
+from pagedllm.backends.cpu.runner.allocator import return_loading_memory
 from pagedllm.backends.cpu.runner.kernels import load_kernels
 from pagedllm.backends.cpu.runner.model_runner import ModelRunner
 from pagedllm.backends.cpu.runner.sharding import Rank, parameter_bytes
@@ -81,6 +82,7 @@ class Worker:
                                   quantization=m["quantization"], gguf_file=m["gguf_file"],
                                   batch_invariant=m["batch_invariant"], int8_activations=m["int8_activations"])
         info = self.runner.load()
+        return_loading_memory()
         report = {"rank": self.rank, "host": socket.gethostname(), "threads": self.plan.describe(),
                   "shard_bytes": parameter_bytes(self.runner.model), "kv_heads": self.runner.local_kv_heads,
                   "attention": attention_path}
