@@ -67,7 +67,7 @@ def main() -> None:
                     "bf16": lambda: kernels.quantized_linear_bf16(x, *quantized, False),
                     "gemv_bf16": lambda: kernels.quantized_gemv_bf16(x, *quantized, False),
                     "dequantize": lambda: torch.nn.functional.linear(
-                        x, kernels.dequantize_weight(*quantized[:6], True)),
+                        x, kernels.dequantize_weight(*quantized[:7], True)),
                 }
                 with torch.inference_mode():
                     times = best_seconds(paths, repeat)

@@ -83,8 +83,8 @@ class CPUBackend(Backend):
         "kv_cache_space": ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"),
         "kv_cache_dtype": ("PAGEDLLM_CPU_KV_CACHE_PRECISION", "VLLM_CPU_KV_CACHE_PRECISION"),
     }
-    settings = (QUANTIZATION, INT8_ACTIVATIONS, THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE, DISTRIBUTED_INIT_METHOD, NNODES,
-                NODE_RANK)
+    settings = (QUANTIZATION, INT8_ACTIVATIONS, THREADS_BIND, RESIDUAL_DTYPE, TENSOR_PARALLEL_SIZE,
+                DISTRIBUTED_INIT_METHOD, NNODES, NODE_RANK)
 
     def __init__(self, config: EngineConfig, model: ModelSource) -> None:
         super().__init__(config, model)

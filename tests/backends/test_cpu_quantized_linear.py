@@ -114,9 +114,12 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
     panels = qf.to_panels(weight)
     if type_name in ("Q8_0", "Q4_0", "Q4_1"):  # their scales and offsets are exact in float16
         assert panels.scales.dtype == panels.offsets.dtype == torch.float16
+    # symmetric formats store a zero point instead of offsets
+    assert panels.zero == {"Q4_0": 8, "Q8_0": 128, "Q6_K": 32}.get(type_name, 0)
+    assert panels.offsets.numel() == 0 if panels.zero else panels.offsets.shape == panels.scales.shape
     args = (*panels.arguments, bias)
-    assert torch.equal(kernels.dequantize_weight(*args[:6], False), weight.dequantize())
-    assert torch.equal(kernels.dequantize_weight(*args[:6], True), weight.dequantize().bfloat16())
+    assert torch.equal(kernels.dequantize_weight(*args[:7], False), weight.dequantize())
+    assert torch.equal(kernels.dequantize_weight(*args[:7], True), weight.dequantize().bfloat16())
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
@@ -152,7 +155,7 @@ def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
             dense = kernels.linear_bf16(x, packed, bias, out_features, float_output)
             assert torch.equal(kernels.quantized_linear_bf16(x, *args, float_output), dense)
         both = kernels.quantized_linear_bf16(x, *args, False)
-        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args[:5], bias, out_features // 2)
+        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args[:6], bias, out_features // 2)
         # equal but for subnormal outputs, which the GEMM's epilogue flushes to zero (oneDNN sets FTZ)
         unfused = kernels.silu_and_mul(both[:, :out_features // 2], both[:, out_features // 2:])
         torch.testing.assert_close(fused, unfused, rtol=0, atol=torch.finfo(torch.bfloat16).tiny)

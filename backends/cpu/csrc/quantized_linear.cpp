@@ -83,8 +83,8 @@ void int8_panel_scalar(const Weights& w, int64_t p, const Int8Activations& act, 
         int32_t dot = 0;
         for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) dot += w.u(p, c, i) * act.at(r0 + r, i, w.bits);
         const float d = act.scale[(r0 + r) * act.chunks + g * w.group / kChunk];
-        total += static_cast<float>(dot) * (w.at(w.scales, p, g, c) * d) +
-                 w.at(w.offsets, p, g, c) * act.group_sum[(r0 + r) * act.groups + g];
+        total += static_cast<float>(dot) * (w.scale(p, g, c) * d) +
+                 w.offset(p, g, c) * act.group_sum[(r0 + r) * act.groups + g];
       }
       sums[r * kPanel + c] = total;
     }
@@ -96,7 +96,7 @@ void float_panel_scalar(const Weights& w, int64_t p, const float* x, int64_t r0,
       float total = 0.f;
       for (int64_t i = 0; i < w.k; ++i) {
         const int64_t g = i / w.group;
-        total += std::fma(w.u(p, c, i), w.at(w.scales, p, g, c), w.at(w.offsets, p, g, c)) * x[(r0 + r) * w.k + i];
+        total += std::fma(w.u(p, c, i), w.scale(p, g, c), w.offset(p, g, c)) * x[(r0 + r) * w.k + i];
       }
       sums[r * kPanel + c] = total;
     }
@@ -179,7 +179,12 @@ constexpr int kLanes = kPanel / Lanes::halves;
 // Half h of the 16 scales or offsets of panel p, group g.
 inline Lanes::F group_lanes(const Weights& w, const void* table, int64_t p, int64_t g, int h) {
   const char* first = static_cast<const char*>(w.of_group(table, p, g));
-  return w.half ? Lanes::loadh(first + h * kLanes * 2) : Lanes::loadf(reinterpret_cast<const float*>(first) + h * kLanes);
+  return w.half ? Lanes::loadh(first + h * kLanes * 2)
+                : Lanes::loadf(reinterpret_cast<const float*>(first) + h * kLanes);
+}
+
+inline Lanes::F offset_lanes(const Weights& w, Lanes::F scale, int64_t p, int64_t g, int h) {
+  return w.zero > 0 ? Lanes::mul(scale, Lanes::set1f(static_cast<float>(-w.zero))) : group_lanes(w, w.offsets, p, g, h);
 }
 
 // The int8 path over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's bytes with the
@@ -211,7 +216,7 @@ void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t
           for (int r = 0; r < R; ++r) dot[r] = Lanes::dot8(dot[r], v, Lanes::set1(a[r][l]));
         }
       }
-      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = group_lanes(w, w.offsets, p, g, h);
+      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
       const int64_t chunk = g * w.group / kChunk;
       for (int r = 0; r < R; ++r) {
         const Lanes::F d = Lanes::set1f(act.scale[(r0 + r) * act.chunks + chunk]);
@@ -235,7 +240,7 @@ void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float*
     Lanes::F acc[R];
     for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
     for (int64_t g = 0; g < w.groups; ++g) {
-      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = group_lanes(w, w.offsets, p, g, h);
+      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
       for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
         const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
@@ -321,9 +326,10 @@ bool quantized_linear_int8_simd() {
 // x [..., K] (float32 or bf16) times the quantized weight of N columns, plus an optional float bias:
 // [..., N] in x's dtype, or float32 when `float_output`. `int8_activations` picks the int8 path.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
+                            const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                            int64_t out_features,
                             const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations) {
-  const Weights w(values, scales, offsets, bits, group, out_features);
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bf16 input");
   TORCH_CHECK(x.size(-1) == w.k, "input width ", x.size(-1), " does not match the weight's ", w.k);
   const at::Tensor rows = float_rows(x.reshape({-1, w.k}));
@@ -358,8 +364,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
 // The whole weight as [N, K] float32 or bf16 (prefill and large batches of float32 models run it through the dense
 // GEMMs).
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
-                             int64_t bits, int64_t group, int64_t out_features, bool bf16) {
-  const Weights w(values, scales, offsets, bits, group, out_features);
+                             int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16) {
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
   at::Tensor out = values.new_empty({w.n, w.k}, values.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   float* dense = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* dense_bf16 = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
@@ -373,7 +379,7 @@ at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales,
       for (int64_t l = 0; l < w.k / per_load; ++l) {
         const int64_t g = l * per_load / w.group;
         for (int64_t c = 0; c < columns; ++c) {
-          const float scale = w.at(w.scales, p, g, c), offset = w.at(w.offsets, p, g, c);
+          const float scale = w.scale(p, g, c), offset = w.offset(p, g, c);
           const uint8_t* lane = w.panel(p) + l * kLoadBytes + c * 4;
           const uint32_t word = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
           const int64_t at = (p * kPanel + c) * w.k + l * per_load;

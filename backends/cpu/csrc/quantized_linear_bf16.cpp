@@ -46,6 +46,11 @@ inline __m512 group_lanes(const Weights& w, const void* table, int64_t p, int64_
                 : _mm512_loadu_ps(static_cast<const float*>(first));
 }
 
+inline __m512 offset_lanes(const Weights& w, __m512 scale, int64_t p, int64_t g) {
+  return w.zero > 0 ? _mm512_mul_ps(scale, _mm512_set1_ps(static_cast<float>(-w.zero)))
+                    : group_lanes(w, w.offsets, p, g);
+}
+
 // Pairs of 4-bit values as bf16 pairs 128 + u: or-ing u into the mantissa of 128.0 (0x4300) is exact, and the
 // offsets' term takes the 128 back (kMagic).
 inline __m512i magic_pairs(__m512i v, int shift) {
@@ -66,7 +71,7 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
   const __m512i order = _mm512_load_si512(interleave);
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     const int64_t g = l * per_load / w.group;
-    const __m512 scale = group_lanes(w, w.scales, p, g), offset = group_lanes(w, w.offsets, p, g);
+    const __m512 scale = group_lanes(w, w.scales, p, g), offset = offset_lanes(w, scale, p, g);
     const __m512i v = _mm512_loadu_si512(panel + l * kLoadBytes);
     for (int q = 0; q < per_load / 2; ++q) {
       // 4 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
@@ -135,7 +140,7 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
       }
     }
     const __m512 scale = group_lanes(w, w.scales, p, g);
-    const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, group_lanes(w, w.offsets, p, g));
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, offset_lanes(w, scale, p, g));
     for (int r = 0; r < R; ++r) {
       const __m512 sum = Bits == 4 ? _mm512_add_ps(a[r], b[r]) : _mm512_fmadd_ps(b[r], _mm512_set1_ps(16.f), a[r]);
       acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
@@ -202,10 +207,11 @@ bool quantized_linear_bf16_available() { return PAGEDLLM_QUANTIZED_BF16; }
 // columns of a block once, when its first tile there needs them, so each weight is read and dequantized once per
 // call (twice for a block two threads share).
 at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                 const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
+                                 const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                 int64_t out_features,
                                  const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, out_features);
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
   const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
@@ -232,10 +238,10 @@ at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, 
 // linear_silu_and_mul_bf16 does over dense weights, without the [..., 2 * width] projection output.
 at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& values,
                                               const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
-                                              int64_t group, const c10::optional<at::Tensor>& bias,
-                                              int64_t width) {
+                                              int64_t group, int64_t zero,
+                                              const c10::optional<at::Tensor>& bias, int64_t width) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, 2 * width);
+  const Weights w(values, scales, offsets, bits, group, zero, 2 * width);
   TORCH_CHECK(width % kPanel == 0, "a [gate; up] weight whose halves are whole panels of 16 columns is required");
   const pagedllm::LinearOperands op(x, w.k, bias, width, at::kBFloat16);
   if (op.m == 0) return op.out;
@@ -265,10 +271,11 @@ at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Ten
 // and dotted with the rows as it streams by, so a call reads the weights once at their quantized size. Its sums
 // run in another order than the tiles', so a row's result may differ from theirs in the last bit.
 at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                               const at::Tensor& offsets, int64_t bits, int64_t group, int64_t out_features,
+                               const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                               int64_t out_features,
                                const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, out_features);
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
   const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   const int64_t m = op.m, lda = op.lda;

@@ -11,8 +11,9 @@
 // - 8 bits: 4 inputs i..i+3, byte b holding input i + {0, 2, 1, 3}[b]: a shift by 0 or 8 and the mask 0x00FF00FF
 //   leave the pairs (i, i+1) and (i+2, i+3).
 // Scales and offsets are [panels][groups][16], float32, or float16 where every one of them is exact in it (GGUF's
-// Q4_0, Q4_1 and Q8_0 keep theirs in float16): fewer bytes per weight for the bandwidth-bound decode. A weight whose
-// columns do not fill its last panel is padded with zero columns.
+// Q4_0, Q4_1 and Q8_0 keep theirs in float16): fewer bytes per weight for the bandwidth-bound decode. A symmetric
+// format (Q4_0, Q8_0, Q6_K, int8) stores no offsets: each is -zero * scale, for its integer zero point. A weight
+// whose columns do not fill its last panel is padded with zero columns.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,19 +38,21 @@ struct QuantizedWeights {
   const void* scales;
   const void* offsets;
   bool half;  // scales and offsets in float16
-  int64_t bits, group, k, n, panels, groups;
+  int64_t bits, group, zero, k, n, panels, groups;  // zero > 0: offsets are -zero * scale, not stored
 
   QuantizedWeights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, int64_t bits_, int64_t group_,
-                   int64_t n_)
-      : bits(bits_), group(group_), n(n_) {
+                   int64_t zero_, int64_t n_)
+      : bits(bits_), group(group_), zero(zero_), n(n_) {
     TORCH_CHECK(bits == 4 || bits == 8, "4-bit or 8-bit values, got ", bits);
     TORCH_CHECK(group == 16 || group == 32, "groups of 16 or 32 inputs, got ", group);
     TORCH_CHECK(v.dim() == 2 && v.scalar_type() == at::kByte && v.is_contiguous(), "values: contiguous uint8 [P, *]");
     half = s.scalar_type() == at::kHalf;
-    TORCH_CHECK(s.dim() == 3 && (s.scalar_type() == at::kFloat || half) && o.scalar_type() == s.scalar_type() &&
-                    s.is_contiguous() && o.is_contiguous() && s.sizes() == o.sizes() && s.size(0) == v.size(0) &&
-                    s.size(2) == kPanel,
-                "scales and offsets: contiguous float32 or float16 [panels, groups, 16]");
+    TORCH_CHECK(s.dim() == 3 && (s.scalar_type() == at::kFloat || half) && s.is_contiguous() &&
+                    s.size(0) == v.size(0) && s.size(2) == kPanel,
+                "scales: contiguous float32 or float16 [panels, groups, 16]");
+    TORCH_CHECK(zero >= 0 && zero < (1 << bits), "a zero point of ", zero, " for ", bits, "-bit values");
+    TORCH_CHECK(zero > 0 || (o.scalar_type() == s.scalar_type() && o.is_contiguous() && o.sizes() == s.sizes()),
+                "offsets: as the scales (or a zero point instead)");
     panels = v.size(0);
     k = v.size(1) * 8 / bits / kPanel;
     groups = s.size(1);
@@ -58,7 +61,7 @@ struct QuantizedWeights {
     TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, n, " columns do not fill ", panels, " panels");
     values = v.data_ptr<uint8_t>();
     scales = s.data_ptr();
-    offsets = o.data_ptr();
+    offsets = zero > 0 ? nullptr : o.data_ptr();
   }
   int64_t panel_bytes() const { return k * kPanel * bits / 8; }
   const uint8_t* panel(int64_t p) const { return values + p * panel_bytes(); }
@@ -70,6 +73,10 @@ struct QuantizedWeights {
   float at(const void* table, int64_t p, int64_t g, int64_t c) const {
     const void* first = of_group(table, p, g);
     return half ? static_cast<float>(static_cast<const c10::Half*>(first)[c]) : static_cast<const float*>(first)[c];
+  }
+  float scale(int64_t p, int64_t g, int64_t c) const { return at(scales, p, g, c); }
+  float offset(int64_t p, int64_t g, int64_t c) const {
+    return zero > 0 ? static_cast<float>(-zero) * scale(p, g, c) : at(offsets, p, g, c);
   }
   int64_t inputs_per_load() const { return bits == 4 ? 8 : 4; }
   // u of column c of panel p at input i, read one at a time (the scalar path and tests).

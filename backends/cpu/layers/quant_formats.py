@@ -201,9 +201,10 @@ class PanelWeight:
 
     values: torch.Tensor  # uint8 [panels, in * 16 * bits / 8]
     scales: torch.Tensor  # float32 or float16 [panels, groups, 16]
-    offsets: torch.Tensor  # the same
+    offsets: torch.Tensor  # the same, or empty where they are -zero * scale
     bits: int
     group: int
+    zero: int  # symmetric formats' zero point (offset = -zero * scale), else 0
     format: str
     out_features: int
 
@@ -212,9 +213,14 @@ class PanelWeight:
         return self.values.shape[1] * 8 // self.bits // PANEL
 
     @property
+    def layout(self) -> tuple:
+        """The weight's first arguments of every quantized kernel."""
+        return self.values, self.scales, self.offsets, self.bits, self.group, self.zero
+
+    @property
     def arguments(self) -> tuple:
-        """The weight's arguments of the quantized kernels, in their order."""
-        return self.values, self.scales, self.offsets, self.bits, self.group, self.out_features
+        """The layout and the column count: the first arguments of the kernels that take both."""
+        return *self.layout, self.out_features
 
 
 def to_panels(weight: QuantizedWeight) -> PanelWeight:
@@ -239,6 +245,10 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
         values[first:first + count] = packed.reshape(count, -1)
     by_column["scales"][:n], by_column["offsets"][:n] = weight.scales, weight.offsets
     scales, offsets = (t.reshape(panels, PANEL, groups).transpose(1, 2).contiguous() for t in by_column.values())
+    # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets
+    zero = next((z for z in (8, 128, 32) if z < 2 ** bits and torch.equal(offsets, -z * scales)), 0)
+    if zero:
+        offsets = scales.new_empty(panels, 0, PANEL)
     if all(torch.equal(t.half().float(), t) for t in (scales, offsets)):  # GGUF's float16 scales: half the bytes
         scales, offsets = scales.half(), offsets.half()
-    return PanelWeight(values, scales, offsets, bits, weight.group, weight.format, n)
+    return PanelWeight(values, scales, offsets, bits, weight.group, zero, weight.format, n)

@@ -63,6 +63,7 @@ class QuantizedLinear(torch.nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bits, self.group, self.format = weight.bits, weight.group, weight.format
         panels = to_panels(weight)
+        self.zero = panels.zero
         self.register_buffer("values", panels.values)
         self.register_buffer("scales", panels.scales)
         self.register_buffer("offsets", panels.offsets)
@@ -85,7 +86,8 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.out_features, self.bias)
+        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.out_features,
+                  self.bias)
         if self.bf16_kernels:
             if self.kernel_only or rows > self.few_rows:
                 return self._kernels.quantized_linear_bf16(x, *weight, self.float_output)
@@ -93,7 +95,7 @@ class QuantizedLinear(torch.nn.Module):
                 return self._kernels.quantized_gemv_bf16(x, *weight, self.float_output)
         if self.kernel_only or rows <= SMALL_ROWS:
             return self._kernels.quantized_linear(x, *weight, self.float_output, self.int8_activations)
-        dense = self._kernels.dequantize_weight(*weight[:6], x.dtype == torch.bfloat16)
+        dense = self._kernels.dequantize_weight(*weight[:7], x.dtype == torch.bfloat16)
         out = F.linear(x, dense, None if self.bias is None else self.bias.to(x.dtype))
         return out.float() if self.float_output else out
 
@@ -117,6 +119,6 @@ class QuantizedSiluAndMul(QuantizedLinear):
         rows = x.numel() // self.in_features
         if self.bf16_kernels and (self.kernel_only or rows > self.few_rows) and self.width % PANEL == 0:
             return self._kernels.quantized_linear_silu_and_mul_bf16(
-                x, self.values, self.scales, self.offsets, self.bits, self.group, self.bias, self.width)
+                x, self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.bias, self.width)
         both = super().forward(x)
         return self._kernels.silu_and_mul(both[..., :self.width], both[..., self.width:])
