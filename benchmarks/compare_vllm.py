@@ -1,7 +1,9 @@
 """pagedllm beside vLLM CPU 0.32.0, OpenVINO GenAI, llama.cpp and plain transformers ``generate``, same token ids,
 one run.
 
-W0 (``--workloads W0``): one request, 128 prompt tokens -> 256 output tokens, decoding alone (batch-1 latency).
+W0 (``--workloads W0``): one request, 128 prompt tokens -> 256 output tokens, decoding alone (batch-1 latency); with
+a GGUF engine the machine's read bandwidth is measured first, and each GGUF engine's W0 is shown beside its limit
+(decode_limit.py).
 W1: 64 requests x 256 prompt tokens -> 128 output tokens. W2: 32 requests sharing a 512-token prefix + 32 own
 tokens -> 64 output tokens, with and without prefix caching. Greedy, EOS ignored. W3 is served: 32 streamed
 completions of 256 prompt tokens -> 64 tokens at seeded Poisson arrivals (all within 8 s), sent by ``pagedllm bench
@@ -49,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+import decode_limit
 import gguf_shapes
 import llama_cpp_env
 import model_shapes
@@ -142,6 +145,7 @@ class Harness:
         self.tcmalloc: str | None = None
         self.results: dict[Case, list[dict]] = {}
         self.failures: dict[Case, str] = {}
+        self.read_bandwidth: float | None = None  # bytes/s, measured before W0's runs
 
     # -- vLLM ---------------------------------------------------------------------------------------------
     def prepare_vllm(self) -> None:
@@ -244,6 +248,8 @@ class Harness:
                 returncode = None
         if returncode == 0 and out.is_file():
             result = json.loads(out.read_text())
+            if case.engine == "pagedllm-gguf":
+                result["quantized_bytes"] = decode_limit.logged_quantized_bytes(log_path.read_text(errors="replace"))
             self.results.setdefault(case, []).append(result)
             if case.engine.startswith("pagedllm") and self.dtype == "auto":
                 self.dtype = result["engine"]["dtype"]  # the others run in the dtype pagedllm chose
@@ -363,6 +369,7 @@ def summarize(h: Harness, workloads: list[str], engines: list[str]) -> dict:
                          f"{_fmt(None if waste is None else 100 * waste, '.2f')}%, peak KV blocks "
                          f"{_fmt(blocks, '.0f')}, preemptions {_fmt(preempt, '.0f')}")
     notes.extend(_token_agreement(h, workloads, pairs))
+    notes.extend(_decode_limits(h, workloads, engines))
     for note in notes:
         print(note)
     print("ratios say how many times better the first engine is: throughput first/second, start-up and latencies "
@@ -396,6 +403,21 @@ def _token_agreement(h: Harness, workloads: list[str], pairs: list[tuple[str, st
                 lines.append(f"{workload} first request, first {len(first[0])} greedy tokens: {TITLES[a]} and "
                              f"{TITLES[b]} {'agree' if same else 'DIFFER: ' + str(first[0]) + ' vs ' + str(second[0])}")
     return lines
+
+
+def _decode_limits(h: Harness, workloads: list[str], engines: list[str]) -> list[str]:
+    """W0 beside its bandwidth limit, for the engines whose bytes per token are known (the GGUF ones)."""
+    if "W0" not in workloads or h.read_bandwidth is None or h.gguf_file is None:
+        return []
+    notes = []
+    for engine in (e for e in GGUF_ENGINES if e in engines):
+        results = h.results.get(Case("W0", engine, None if engine in NO_PREFIX_CACHE else False)) or []
+        per_token = (next((r["quantized_bytes"] for r in results if r.get("quantized_bytes")), None)
+                     if engine == "pagedllm-gguf" else decode_limit.gguf_bytes_per_token(h.gguf_file))
+        if per_token:
+            notes.append(decode_limit.describe(TITLES[engine], per_token, h.read_bandwidth,
+                                               _median(results, "output_tokens_per_second")))
+    return notes
 
 
 def resolved_dtype(dtype: str) -> str:
@@ -525,6 +547,9 @@ def main() -> None:
     for engine, reason in harness.unavailable.items():
         print(f"{TITLES[engine]} is unavailable: {reason}\nrunning without it", flush=True)
 
+    if "W0" in args.workloads and set(engines) & set(GGUF_ENGINES):
+        harness.read_bandwidth = decode_limit.read_bandwidth(threads=THREAD_COUNT)
+        print(f"read bandwidth, {THREAD_COUNT} threads: {harness.read_bandwidth / 1e9:.1f} GB/s", flush=True)
     for round_index in range(1, args.runs + 1):
         for name in args.workloads:
             for case in cases_for(name, round_order(engines, round_index)):

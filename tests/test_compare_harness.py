@@ -64,3 +64,26 @@ def test_engines_take_turns_going_first_from_round_to_round():
     engines = ["pagedllm-openvino", "openvino-genai"]
     assert [compare_vllm.round_order(engines, r) for r in (1, 2, 3)] == [engines, engines[::-1], engines]
     assert engines == ["pagedllm-openvino", "openvino-genai"]  # the caller's list is left as it was
+
+
+def test_the_w0_limit_counts_the_weights_a_decode_step_reads():
+    """SmolLM2's GGUF ties its head to the embedding table, which a step then reads whole: every tensor counts."""
+    import gguf
+
+    from pagedllm.models.source import default_model_path
+
+    sys.path.insert(0, str(HARNESS.parent))
+    try:
+        import decode_limit
+    finally:
+        sys.path.remove(str(HARNESS.parent))
+    path = default_model_path()
+    tensors = gguf.GGUFReader(str(path)).tensors
+    assert "output.weight" not in {t.name for t in tensors}
+    assert decode_limit.gguf_bytes_per_token(path) == sum(int(t.n_bytes) for t in tensors)
+    assert decode_limit.logged_quantized_bytes("... quantized ones hold 835 MiB and dot ...") == 835 << 20
+    assert decode_limit.logged_quantized_bytes("linear layers: 30 packed for oneDNN") is None
+    line = decode_limit.describe("llama.cpp", 10**9, 20e9, 15.0)
+    assert line == ("W0 llama.cpp: 1.00 GB of weights per token, read at 20.0 GB/s: at most 20.0 tok/s; W0 at 75% "
+                    "of it")
+    assert decode_limit.read_bandwidth(threads=1, mib=64, repeat=1) > 0
