@@ -87,7 +87,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("width"));
   m.def("quantized_linear_int8_simd", &quantized_linear_int8_simd,
         "whether the int8 dot products use AVX512_VNNI (else AVX2's vpmaddubsw or scalar code)");
-  m.def("quantized_linear", &quantized_linear, "x @ W.T + bias over a block-quantized weight in panels (w = scale * u + offset)",
+  m.def("quantized_linear", &quantized_linear,
+        "x @ W.T + bias over a block-quantized weight in panels (w = scale * u + offset)",
         py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false,
         py::arg("int8_activations") = true);

@@ -66,22 +66,19 @@ struct Int8Activations {
       }
     });
   }
-  // the int8 value of input i of a row's activations (in natural order)
-  int8_t at(int64_t row, int64_t i, int64_t bits) const {
-    static constexpr int position4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, position8[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    return q[row * chunks * kChunk + i / 8 * 8 + (bits == 4 ? position4 : position8)[i % 8]];
-  }
 };
 
 // Sums of panel p for rows r0.. (16 per row, one per column), through the scalar code.
 void int8_panel_scalar(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, int64_t rows,
                        float* sums) {
+  const int* order = w.bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
       float total = 0.f;
       for (int64_t g = 0; g < w.groups; ++g) {
-        int32_t dot = 0;
-        for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) dot += w.u(p, c, i) * act.at(r0 + r, i, w.bits);
+        int32_t dot = 0;  // over the group's activation bytes, in their order
+        for (int64_t t = g * w.group; t < (g + 1) * w.group; ++t)
+          dot += w.u(p, c, t / 8 * 8 + order[t % 8]) * act.q[(r0 + r) * w.k + t];
         const float d = act.scale[(r0 + r) * act.chunks + g * w.group / kChunk];
         total += static_cast<float>(dot) * (w.scale(p, g, c) * d) +
                  w.offset(p, g, c) * act.group_sum[(r0 + r) * act.groups + g];
@@ -232,7 +229,6 @@ void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t
 // every row's input, in order.
 template <int R, int Bits>
 void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float* sums) {
-  static constexpr int input4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, input8[4] = {0, 2, 1, 3};
   const uint8_t* panel = w.panel(p);
   const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
   const Lanes::I mask = Lanes::set1(Bits == 4 ? 0x0F : 0xFF);
@@ -246,7 +242,7 @@ void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float*
         const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
         for (int e = 0; e < per_load; ++e) {
           const Lanes::F weight = Lanes::fma(Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask)), scale, offset);
-          const int64_t i = l * per_load + (Bits == 4 ? input4[e] : input8[e]);
+          const int64_t i = l * per_load + (Bits == 4 ? pagedllm::kInputOfNibble[e] : pagedllm::kInputOfByte[e]);
           for (int r = 0; r < R; ++r) acc[r] = Lanes::fma(weight, Lanes::set1f(x[(r0 + r) * w.k + i]), acc[r]);
         }
       }
@@ -371,8 +367,7 @@ at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales,
   at::BFloat16* dense_bf16 = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   const int64_t per_load = w.inputs_per_load();
   at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
-    static constexpr int input4[8] = {0, 2, 4, 6, 1, 3, 5, 7}, input8[4] = {0, 2, 1, 3};
-    const int* input = w.bits == 4 ? input4 : input8;
+    const int* input = w.bits == 4 ? pagedllm::kInputOfNibble : pagedllm::kInputOfByte;
     const uint32_t mask = w.bits == 4 ? 0x0F : 0xFF;
     for (int64_t p = begin; p < end; ++p) {
       const int64_t columns = std::min<int64_t>(kPanel, w.n - p * kPanel);

@@ -52,7 +52,7 @@ inline __m512 offset_lanes(const Weights& w, __m512 scale, int64_t p, int64_t g)
 }
 
 // Pairs of 4-bit values as bf16 pairs 128 + u: or-ing u into the mantissa of 128.0 (0x4300) is exact, and the
-// offsets' term takes the 128 back (kMagic).
+// offsets' term takes the 128 back (gemv_panel's `magic`).
 inline __m512i magic_pairs(__m512i v, int shift) {
   return _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000F000F),
                                    _mm512_set1_epi32(0x43004300), 0xEA);  // (a & b) | c
@@ -90,10 +90,11 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
 std::vector<float> group_sums(const at::BFloat16* x, int64_t lda, int64_t m, const Weights& w) {
   std::vector<float> sums(m * w.groups);
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) s += static_cast<float>(x[r * lda + i]);
-      sums[r * w.groups + g] = s;
+    for (int64_t g = 0; g < w.groups; ++g) {  // a group is 16 or 32 inputs: one or two vectors
+      pagedllm::Vec s = pagedllm::Vec::zero();
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; i += pagedllm::Vec::size)
+        s = s + pagedllm::Vec::load(x + r * lda + i);
+      sums[r * w.groups + g] = s.sum();
     }
   return sums;
 }

@@ -29,6 +29,11 @@ constexpr int64_t kLoadBytes = 64;   // one load: kPanel lanes of 32 bits
 // Loads ahead that the streaming kernels prefetch: one core's few outstanding misses, not the hardware prefetcher,
 // bound a stream's rate otherwise (docs/quantization.md).
 constexpr int64_t kPrefetchLoads = 32;
+// Which of a lane's 8 inputs each nibble holds (4 bits), and the other way round; which of its 4 inputs each byte
+// holds (8 bits: its own inverse).
+constexpr int kInputOfNibble[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+constexpr int kNibbleOfInput[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+constexpr int kInputOfByte[4] = {0, 2, 1, 3};
 // Input order of the int8 path's activation bytes, per 8 inputs, for each width of weights.
 constexpr int kInt8Order4[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int kInt8Order8[8] = {0, 2, 1, 3, 4, 6, 5, 7};
@@ -82,11 +87,8 @@ struct QuantizedWeights {
   // u of column c of panel p at input i, read one at a time (the scalar path and tests).
   int u(int64_t p, int64_t c, int64_t i) const {
     const uint8_t* load = panel(p) + i / inputs_per_load() * kLoadBytes + c * 4;
-    if (bits == 8) {
-      static constexpr int byte_of[4] = {0, 2, 1, 3};
-      return load[byte_of[i % 4]];
-    }
-    const int r = static_cast<int>(i % 8), nibble = r % 2 == 0 ? r / 2 : 4 + r / 2;
+    if (bits == 8) return load[kInputOfByte[i % 4]];
+    const int nibble = kNibbleOfInput[i % 8];
     const uint32_t lane = load[0] | (load[1] << 8) | (load[2] << 16) | (static_cast<uint32_t>(load[3]) << 24);
     return (lane >> (4 * nibble)) & 0x0F;
   }
