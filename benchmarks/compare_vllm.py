@@ -22,8 +22,9 @@ runs in this environment (``pip install openvino-genai`` matching openvino) on p
 the GGUF file itself: its quantized tensors run as they are) read one GGUF file: the default model's own Q4_1 file,
 ``--model FILE.gguf``, or with ``--model-shape`` the shape's file in ``--gguf-type`` (made by gguf_shapes.py with
 llama.cpp's own quantizer). llama.cpp runs the offline workloads with its batched decoding (llama_cpp_offline.py),
-not W3. Every offline run reports its process's peak RSS. If a peer cannot be set up or run here, the harness says
-why and runs the others.
+not W3. ``pagedllm-int8`` is pagedllm with ``--quantization int8`` (W8A8) and ``vllm-int8`` vLLM's W8A8 on a
+compressed-tensors folder of the same int8 weights (w8a8_folder.py). Every offline run reports its process's peak
+RSS. If a peer cannot be set up or run here, the harness says why and runs the others.
 
     python benchmarks/compare_vllm.py                 # W1 and W2, one round: pagedllm, vLLM, transformers
     python benchmarks/compare_vllm.py --runs 3        # median of 3 rounds
@@ -33,6 +34,8 @@ why and runs the others.
     python benchmarks/compare_vllm.py --model-shape llama-1b   # a Llama-3.2-1B-shaped model with random weights
     python benchmarks/compare_vllm.py --model-shape llama-1b --gguf-type Q4_0 --workloads W0,W1 \
         --engines pagedllm,pagedllm-gguf,llama.cpp                    # quantized: pagedllm and llama.cpp, one file
+    python benchmarks/compare_vllm.py --model-shape llama-1b --workloads W1 \
+        --engines pagedllm-int8,vllm-int8,vllm                        # W8A8: both engines' int8, vLLM's bf16
     python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
     python benchmarks/compare_vllm.py --plot results.png --from-summary DIR/summary.json   # redraw, nothing run
 """
@@ -58,6 +61,7 @@ import model_shapes
 import openvino_genai_offline
 import serving_case
 import vllm_cpu_env
+import w8a8_folder
 
 HERE = Path(__file__).resolve().parent
 THREADS_BIND = "0-1"
@@ -79,17 +83,18 @@ SERVE_METRICS = tuple((f"{m}_{p}", f"{label} {p} ms") for m, label in (("ttft", 
                                                                           ("itl", "ITL")) for p in ("p50", "p99"))
 
 ENGINES = ("pagedllm", "vllm", "transformers", "pagedllm-openvino", "openvino-genai", "pagedllm-thread",
-           "pagedllm-gguf", "llama.cpp")
+           "pagedllm-gguf", "llama.cpp", "pagedllm-int8", "vllm-int8")
 DEFAULT_ENGINES = "pagedllm,vllm,transformers"
 TITLES = {"pagedllm": "pagedllm", "vllm": "vLLM CPU", "transformers": "transformers",
           "pagedllm-openvino": "pagedllm-ov", "openvino-genai": "OV GenAI", "pagedllm-thread": "pagedllm-thread",
-          "pagedllm-gguf": "pagedllm-gguf", "llama.cpp": "llama.cpp"}
+          "pagedllm-gguf": "pagedllm-gguf", "llama.cpp": "llama.cpp", "pagedllm-int8": "pagedllm-int8",
+          "vllm-int8": "vLLM W8A8"}
 GGUF_ENGINES = ("pagedllm-gguf", "llama.cpp")  # read the GGUF file rather than the Hugging Face folder
 NO_PREFIX_CACHE = ("transformers", "llama.cpp")  # offline runners without a prefix cache
 # (ours, peer): the ratios the summary prints when both ran
 PAIRS = (("pagedllm", "vllm"), ("pagedllm", "transformers"), ("pagedllm-openvino", "openvino-genai"),
          ("pagedllm-openvino", "vllm"), ("pagedllm", "pagedllm-thread"), ("pagedllm-gguf", "llama.cpp"),
-         ("pagedllm-gguf", "vllm"))
+         ("pagedllm-gguf", "vllm"), ("pagedllm-int8", "vllm-int8"), ("pagedllm-int8", "vllm"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +145,7 @@ class Harness:
         self.dtype = args.dtype
         self.unavailable: dict[str, str] = {}  # engine -> why it has no numbers
         self.genai_dir: Path | None = None
+        self.w8a8_dir: Path | None = None  # vllm-int8's compressed-tensors folder
         self.venv = args.vllm_venv
         self.llama_cpp_venv = llama_cpp_env.default_venv_dir()
         self.tcmalloc: str | None = None
@@ -158,12 +164,12 @@ class Harness:
                 self.tcmalloc = vllm_cpu_env.ensure_tcmalloc(log)
                 record = vllm_cpu_env.ensure_venv(self.venv, log)
         except (subprocess.CalledProcessError, OSError) as exc:
-            self.unavailable["vllm"] = f"the setup failed ({exc}); see {log_path}"
+            self.unavailable["vllm"] = self.unavailable["vllm-int8"] = f"the setup failed ({exc}); see {log_path}"
             return
         print(f"vLLM venv ready: {self.venv} (its setup took {record['setup_seconds']:.0f} s)", flush=True)
         reason = vllm_cpu_env.probe_vllm(self.venv, self.vllm_env())
         if reason:
-            self.unavailable["vllm"] = f"`import vllm` fails in {self.venv}: {reason}"
+            self.unavailable["vllm"] = self.unavailable["vllm-int8"] = f"`import vllm` fails in {self.venv}: {reason}"
 
     # -- llama.cpp ----------------------------------------------------------------------------------------
     def prepare_gguf_engines(self, engines: list[str]) -> None:
@@ -204,7 +210,9 @@ class Harness:
         common = ["--model", str(self.hf_dir), "--workload", str(workload_path), "--output-json", str(out),
                   "--dtype", self.dtype]
         caching = ["--enable-prefix-caching" if case.prefix_caching else "--no-enable-prefix-caching"]
-        if case.engine == "vllm":
+        if case.engine in ("vllm", "vllm-int8"):
+            if case.engine == "vllm-int8":
+                common[1] = str(self.w8a8_dir)
             return [str(vllm_cpu_env.venv_python(self.venv)), str(HERE / "vllm_offline.py"), *common, *caching], \
                 self.vllm_env()
         if case.engine == "llama.cpp":
@@ -214,11 +222,13 @@ class Harness:
         if case.engine == "pagedllm-gguf":
             common[1] = str(self.gguf_file)
         env = dict(os.environ)  # LD_PRELOAD of tcmalloc, if wanted for these too, comes from the caller
-        if case.engine in ("pagedllm", "pagedllm-openvino", "pagedllm-gguf"):
+        if case.engine in ("pagedllm", "pagedllm-openvino", "pagedllm-gguf", "pagedllm-int8"):
             env.update(VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE,
                        VLLM_OPENVINO_KVCACHE_SPACE=KV_CACHE_SPACE)
             extra = (["--backend", "openvino", "--kv-cache-dtype", self.args.openvino_kv_cache]
                      if case.engine == "pagedllm-openvino" else shlex.split(self.args.pagedllm_args))
+            if case.engine == "pagedllm-int8":
+                extra += ["--quantization", "int8"]
             return [sys.executable, "-m", "pagedllm.bench", "throughput", *common, *caching, *extra], env
         if case.engine == "openvino-genai":
             dtype = "float32" if self.dtype == "auto" else self.dtype
@@ -540,8 +550,11 @@ def main() -> None:
     harness = Harness(args, work_dir, source.hf_dir, gguf_file)
     engines = args.engines
     harness.prepare_gguf_engines(engines)
-    if "vllm" in engines:
+    if {"vllm", "vllm-int8"} & set(engines):
         harness.prepare_vllm()
+    if "vllm-int8" in engines:
+        harness.w8a8_dir = w8a8_folder.w8a8_folder(source.hf_dir, cache_dir() / "w8a8" / source.hf_dir.name)
+        print(f"vLLM W8A8 reads {harness.w8a8_dir}", flush=True)
     if "openvino-genai" in engines:
         harness.prepare_genai(source)
     for engine, reason in harness.unavailable.items():

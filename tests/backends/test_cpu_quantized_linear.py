@@ -166,6 +166,50 @@ def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
             assert kernels.quantized_gemv_bf16(x, *args, False).dtype == torch.bfloat16
 
 
+@pytest.mark.cpu_isa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
+    """W8A8's passes around oneDNN's GEMM: per-row int8 (round half to even, as torch.round) and the scale back with
+    the bias; widths with and without a vector tail, a zero row."""
+    for width in (100, 2048):
+        x = (torch.randn(6, width) * 3).to(dtype)
+        x[2] = 0
+        q, scales = kernels.quantize_rows_int8(x)
+        amax = x.float().abs().amax(-1, keepdim=True)
+        assert torch.equal(scales, amax / 127)
+        inverse = torch.where(amax > 0, 1 / (amax / 127), 0)
+        assert torch.equal(q, torch.round(x.float() * inverse).to(torch.int8))
+        out, bias = torch.randn(6, width).to(dtype), torch.randn(width)
+        expected = (out.float() * scales + bias).to(dtype)
+        kernels.scale_rows(out, scales, bias)
+        step = 1e-6 if dtype == torch.float32 else 2 ** -8  # one rounding of a fused multiply-add apart
+        torch.testing.assert_close(out, expected, rtol=step, atol=step)
+
+
+def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
+    """``int8`` weights of a bf16 model through oneDNN's int8 GEMM: x quantized per row times the int8 weight,
+    scaled by both; its integer sums are exact, so a row's output does not depend on the rows beside it."""
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, int8_gemm_available
+
+    if not int8_gemm_available():
+        pytest.skip("torch has no oneDNN quantized linear here")
+    weight = qf.quantize(torch.randn(48, 256) * 0.05, "int8")
+    bias = torch.randn(48)
+    layer = Int8GemmLinear(weight, bias, kernels)
+    x = torch.randn(37, 256).bfloat16()
+    q, scales = kernels.quantize_rows_int8(x)
+    w_int8 = qf.unpack_values(weight.values, 8).double() - 128
+    expected = (q.double() @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double() + bias.double()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 48)
+    # oneDNN rounds its output to bf16 before the row scales and the bias: a bf16 step of the largest sums
+    torch.testing.assert_close(got.double(), expected, rtol=2 ** -7, atol=2 ** -8 * expected.abs().max().item())
+    for rows in (1, 4, 16):
+        assert torch.equal(layer(x[:rows]), got[:rows])
+    layer.float_output = True
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def dequantized_copy(model_dir, out_dir, fmt: str):
     """The model with its linears' weights replaced by what quantization at load makes of them, dequantized
     (the head as runner/quantization.py treats it): transformers' view of the same weights."""
@@ -233,6 +277,23 @@ def test_bf16_dot_products_close_to_float32(tiny_llama, prompts, kernels, int8_a
     int8 = int8_activations or not kernels.quantized_linear_bf16_available()
     assert len(layers) == 9 and all(m.int8_activations == int8 for m in layers)
     fast = greedy(bf16, prompts, 4)
+    assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
+
+
+def test_int8_on_a_bf16_model_takes_the_int8_gemm(tiny_llama, prompts, kernels):
+    """``--quantization int8`` on a bf16 model is W8A8 through oneDNN (vLLM CPU's): its first tokens agree with the
+    float32 path's on the same int8 weights."""
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, int8_gemm_available
+
+    if not int8_gemm_available():
+        pytest.skip("torch has no oneDNN quantized linear here")
+    exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="int8", max_model_len=256,
+                       kv_cache_space=0.05), prompts, 4)
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", max_model_len=256, kv_cache_space=0.05,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4)
+    layers = [m for m in llm.engine.backend.runner.model.modules() if isinstance(m, Int8GemmLinear)]
+    assert len(layers) == 8 and not quantized_layers(llm)
+    fast = greedy(llm, prompts, 4)
     assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
 
 

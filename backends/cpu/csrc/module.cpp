@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <vector>
+#include <tuple>
 
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
@@ -54,6 +55,8 @@ at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, co
                                const c10::optional<at::Tensor>& bias, bool float_output);
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
                              int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+void scale_rows(at::Tensor& out, const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
 
 namespace py = pybind11;
 
@@ -109,5 +112,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "a block-quantized weight as a dense [N, K] float32 or bf16 tensor",
         py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bf16") = false);
+  m.def("quantize_rows_int8", &quantize_rows_int8, "rows as int8 and a float32 scale per row (max |x| / 127)");
+  m.def("scale_rows", &scale_rows, "out[r] = out[r] * scales[r] + bias, in place", py::arg("out"),
+        py::arg("scales"), py::arg("bias") = py::none());
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.common import cpu_features
+from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, Int8GemmSiluAndMul, takes_int8_gemm
 from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, QuantizedSiluAndMul, quantized_weight
 from pagedllm.errors import ConfigError
 from pagedllm.utils import cdiv
@@ -138,7 +139,7 @@ def float32_logits(model: torch.nn.Module) -> bool:
     """Let a brgemm LM head return its float32 sums: the sampler wants float32, and rounding 49k logits to bf16
     first costs a copy per step and ties tokens whose logits differ by less than bf16's step."""
     head = model.get_output_embeddings()
-    if not isinstance(head, (BrgemmLinear, QuantizedLinear)):
+    if not isinstance(head, (BrgemmLinear, QuantizedLinear, Int8GemmLinear)):
         return False
     head.float_output = True
     return True
@@ -163,9 +164,13 @@ def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bo
         any_width = batch_invariant or linear is head
         if (weight := quantized_weight(linear)) is not None:
             bf16 = linear.weight.dtype == torch.bfloat16
-            kind = QuantizedSiluAndMul if getattr(linear, SWIGLU_GATE_UP, False) else QuantizedLinear
-            model.set_submodule(name, kind(weight, linear.bias, kernels, bf16, int8_activations,
-                                           kernel_only=batch_invariant))
+            fused = getattr(linear, SWIGLU_GATE_UP, False)
+            if takes_int8_gemm(weight, bf16, kernels):
+                layer = (Int8GemmSiluAndMul if fused else Int8GemmLinear)(weight, linear.bias, kernels)
+            else:
+                layer = (QuantizedSiluAndMul if fused else QuantizedLinear)(
+                    weight, linear.bias, kernels, bf16, int8_activations, kernel_only=batch_invariant)
+            model.set_submodule(name, layer)
             counts["quantized"] += 1
         elif can_brgemm(linear, kernels, any_width=any_width):
             fused = getattr(linear, SWIGLU_GATE_UP, False)

@@ -37,14 +37,13 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
 
 
 def quantized_bytes(model: torch.nn.Module) -> int:
-    """The bytes the model's quantized linears hold (values, scales and offsets, in panels)."""
-    return sum(sum(t.nbytes for t in (m.values, m.scales, m.offsets))
-               for m in model.modules() if isinstance(m, QuantizedLinear))
+    """The bytes the model's quantized linears hold (values, scales and offsets)."""
+    return sum(m.nbytes for m in model.modules() if getattr(m, "is_quantized", False))
 
 
 def quantized_path(model: torch.nn.Module) -> str:
     """How the model's quantized linears take their dot products (one way for all of them)."""
-    return next(module.path for module in model.modules() if isinstance(module, QuantizedLinear))
+    return next(module.path for module in model.modules() if getattr(module, "is_quantized", False))
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -56,6 +55,8 @@ class QuantizedLinear(torch.nn.Module):
     weight to float32 in the kernel up to SMALL_ROWS rows (the exact path), the whole weight for the dense GEMM
     above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every row count on one
     kernel (batch invariance: each path sums in its own order)."""
+
+    is_quantized = True  # quantized_bytes and quantized_path look for it (as on int8_gemm.Int8GemmLinear)
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels, bf16: bool,
                  int8_activations: bool = False, kernel_only: bool = False) -> None:
@@ -73,6 +74,7 @@ class QuantizedLinear(torch.nn.Module):
         self.int8_activations = bf16 and (int8_activations or not self.bf16_kernels)
         # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
         self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
+        self.nbytes = sum(t.nbytes for t in (self.values, self.scales, self.offsets))
         self.float_output = False
         self.kernel_only = kernel_only
         self._kernels = kernels

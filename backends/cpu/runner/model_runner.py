@@ -43,7 +43,8 @@ QUANTIZED_PATHS = {
     "int8 and bf16 tiles": f"quantize their activations to int8 per 32 inputs up to {INT8_ROWS} rows (int8 dot "
                            f"products, as llama.cpp), and dequantize their weights to bf16 tiles for brgemm above",
     "int8": "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
-    "float32": "dequantize their weights to float32 in the kernel (float32 dot products)"}
+    "float32": "dequantize their weights to float32 in the kernel (float32 dot products)",
+    "int8 GEMM": "quantize their activations to int8 per row and take oneDNN's int8 GEMM (W8A8, as vLLM CPU)"}
 
 
 class ModelRunner:

@@ -1,0 +1,70 @@
+"""W8A8 linear layers (``--quantization int8`` on a bf16 model): int8 weights per output row and int8 activations per
+row, multiplied by oneDNN's int8 GEMM inside torch (AMX-INT8 or VNNI), as vLLM CPU's W8A8.
+
+Integer products run at twice bf16's rate on these matrix units, so batches and prompts, which are compute-bound,
+gain where the bf16 tiles of the block formats cannot. The int32 sums are exact, so a row's result does not depend
+on the rows beside it. The weight is held once, in oneDNN's packed layout; decode steps take the same GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight, unpack_values
+
+INT8_FORMAT = "int8"
+
+
+def int8_gemm_available() -> bool:
+    """Whether torch has oneDNN's quantized linear (x86 builds with oneDNN)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn")
+            and hasattr(torch.ops.onednn, "qlinear_prepack"))
+
+
+def takes_int8_gemm(weight: QuantizedWeight, bf16: bool, kernels) -> bool:
+    """W8A8 through oneDNN for ``int8`` weights of a bf16 model; float32 models keep the exact dequantizing path."""
+    return (weight.format == INT8_FORMAT and bf16 and kernels is not None
+            and hasattr(kernels, "quantize_rows_int8") and int8_gemm_available())
+
+
+class Int8GemmLinear(torch.nn.Module):
+    """nn.Linear's forward as x ~ s * q per row (int8 q, float32 s), then s * (q @ W_int8.T) * w_scale + bias."""
+
+    path = "int8 GEMM"
+    is_quantized = True
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.format, self.bits = weight.format, 8
+        # quantize() keeps one scale per row, repeated per block of 32 inputs, and values offset by 128
+        values = (unpack_values(weight.values, 8).to(torch.int16) - 128).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(values, None)
+        self.register_buffer("weight_scales", weight.scales[:, 0].float().contiguous())
+        self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.nbytes = values.numel() + self.weight_scales.nbytes
+        self.float_output = False
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, row_scales = self._kernels.quantize_rows_int8(x)
+        out = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self.packed, self.weight_scales, self.weight_zero_points, None, 1.0, 0,
+            torch.float32 if self.float_output else x.dtype, "none", [None], "")
+        self._kernels.scale_rows(out, row_scales, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, path=oneDNN"
+
+
+class Int8GemmSiluAndMul(Int8GemmLinear):
+    """A SwiGLU's [gate; up] W8A8 projection returning silu(gate) * up."""
+
+    fuses_silu_and_mul = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both = super().forward(x)
+        width = self.out_features // 2
+        return self._kernels.silu_and_mul(both[..., :width], both[..., width:])
