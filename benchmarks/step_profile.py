@@ -98,6 +98,8 @@ def make_llm(args, env: dict[str, str]):
     os.environ.update(env)
     try:
         extra = {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+        if args.quantization:
+            extra["quantization"] = args.quantization
         return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=2048,
                    kv_cache_space=args.kv_cache_space, max_num_seqs=args.num_prompts, **extra)
     finally:
@@ -178,6 +180,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--kv-cache-space", type=float, default=1.0)
+    parser.add_argument("--quantization", default=None, help="e.g. int8, q4_0 (default: the model's own)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=48, help="decode steps before the recorded one")

@@ -93,9 +93,12 @@ def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected, monke
     quantized = LLM(dtype="float32", quantization="gguf", max_model_len=1024, kv_cache_space=0.5,
                     enable_prefix_caching=True, max_num_batched_tokens=24, max_num_seqs=4)
     monkeypatch.undo()
-    layers = [m for m in quantized.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    model = quantized.engine.backend.runner.model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     # q/k/v and gate/up fused: 30 layers x 4 Q4_1 linears, and the head tied to the Q8_0 embedding
     assert sorted({(m.format, m.bits) for m in layers}) == [("Q4_1", 4), ("Q8_0", 8)] and len(layers) == 121
+    # the embedding looks its rows up in the head's Q8_0 panels: no dense table
+    assert type(model.get_input_embeddings()).__name__ == "HeadPanelEmbedding"
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for _ in range(2):  # the second run from the prefix cache
         assert [o.token_ids for o in quantized.generate(prompts, params, use_tqdm=False)] == expected

@@ -120,6 +120,12 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype):
     args = (*panels.arguments, bias)
     assert torch.equal(kernels.dequantize_weight(*args[:7], False), weight.dequantize())
     assert torch.equal(kernels.dequantize_weight(*args[:7], True), weight.dequantize().bfloat16())
+    ids = torch.tensor([[39, 0], [17, 17]])  # an embedding lookup in these rows: last panel, repeats
+    assert torch.equal(kernels.dequantize_rows(*args[:7], ids.flatten(), False), weight.dequantize()[ids.flatten()])
+    assert torch.equal(kernels.dequantize_rows(*args[:7], ids.flatten(), True), weight.dequantize()[ids.flatten()]
+                       .bfloat16())
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.dequantize_rows(*args[:7], torch.tensor([40]), False)
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
@@ -189,7 +195,7 @@ def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
 def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
     """``int8`` weights of a bf16 model through oneDNN's int8 GEMM: x quantized per row times the int8 weight,
     scaled by both; its integer sums are exact, so a row's output does not depend on the rows beside it."""
-    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, int8_gemm_available
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, Int8GemmSiluAndMul, int8_gemm_available
 
     if not int8_gemm_available():
         pytest.skip("torch has no oneDNN quantized linear here")
@@ -208,6 +214,11 @@ def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
         assert torch.equal(layer(x[:rows]), got[:rows])
     layer.float_output = True
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # a SwiGLU's [gate; up]: the row scales applied inside the SiLU's pass
+    swiglu = Int8GemmSiluAndMul(weight, None, kernels)
+    both = (q.double() @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double()
+    silu = torch.nn.functional.silu(both[:, :24]) * both[:, 24:]
+    torch.testing.assert_close(swiglu(x).double(), silu, rtol=2 ** -7, atol=2 ** -8 * silu.abs().max().item())
 
 
 def dequantized_copy(model_dir, out_dir, fmt: str):

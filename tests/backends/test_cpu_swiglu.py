@@ -33,6 +33,12 @@ def test_silu_and_mul_matches_torch(dtype, tol, shape, separate):
     got = kernels.silu_and_mul(gate, up)
     assert got.shape == expected.shape and got.dtype == dtype
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    # a scale per row on both first (W8A8's activation scales)
+    rows = gate.reshape(-1, width).shape[0]
+    scales = torch.rand(rows, 1) * 2
+    g, u = gate.reshape(-1, width).float() * scales, up.reshape(-1, width).float() * scales
+    scaled = (F.silu(g) * u).to(dtype).reshape(expected.shape)
+    torch.testing.assert_close(kernels.silu_and_mul(gate, up, scales), scaled, atol=tol, rtol=tol)
 
 
 def _mlp(cls, config_cls, hidden_act="silu", **extra):

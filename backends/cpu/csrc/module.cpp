@@ -26,7 +26,7 @@ void store_kv_u8(at::Tensor key_cache, at::Tensor key_scale, at::Tensor key_min,
                  at::Tensor value_scale, at::Tensor value_min, at::Tensor keys, at::Tensor values, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor h, at::Tensor residual, at::Tensor weight, double eps);
-at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up);
+at::Tensor silu_and_mul(at::Tensor gate, at::Tensor up, c10::optional<at::Tensor> scales);
 void rotary_embedding(at::Tensor query, at::Tensor key, at::Tensor cos, at::Tensor sin, int64_t head_size);
 std::vector<int64_t> bind_threads(std::vector<int64_t> cpus);
 bool linear_bf16_available();
@@ -55,6 +55,9 @@ at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, co
                                const c10::optional<at::Tensor>& bias, bool float_output);
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
                              int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16);
+at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t bits, int64_t group, int64_t zero, int64_t out_features, const at::Tensor& ids,
+                           bool bf16);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 void scale_rows(at::Tensor& out, const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
 
@@ -78,7 +81,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama-style RMSNorm over the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "residual += h, then Llama-style RMSNorm of the residual",
         py::arg("h"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, elementwise");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate * s) * (up * s), elementwise (s: a scale per row, or 1)",
+        py::arg("gate"), py::arg("up"), py::arg("scales") = py::none());
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE applied in place to query and key rows",
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"), py::arg("head_size"));
   m.def("linear_bf16_available", &linear_bf16_available, "whether this build has the bf16 brgemm linear");
@@ -112,6 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "a block-quantized weight as a dense [N, K] float32 or bf16 tensor",
         py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bf16") = false);
+  m.def("dequantize_rows", &dequantize_rows, "rows ids of a block-quantized weight as dense float32 or bf16 rows "
+        "(an embedding lookup in a tied head's weight)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "rows as int8 and a float32 scale per row (max |x| / 127)");
   m.def("scale_rows", &scale_rows, "out[r] = out[r] * scales[r] + bias, in place", py::arg("out"),
         py::arg("scales"), py::arg("bias") = py::none());

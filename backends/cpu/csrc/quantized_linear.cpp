@@ -359,35 +359,53 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
 
 // The whole weight as [N, K] float32 or bf16 (prefill and large batches of float32 models run it through the dense
 // GEMMs).
-at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
-                             int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16) {
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
-  at::Tensor out = values.new_empty({w.n, w.k}, values.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  float* dense = bf16 ? nullptr : out.data_ptr<float>();
-  at::BFloat16* dense_bf16 = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+namespace {
+
+// Column c of panel p (output row p * 16 + c of the weight) dequantized into dst[0, k), float32 or bf16.
+template <typename T>
+void dequantize_column(const Weights& w, int64_t p, int64_t c, T* dst) {
+  const int* input = w.bits == 4 ? pagedllm::kInputOfNibble : pagedllm::kInputOfByte;
+  const uint32_t mask = w.bits == 4 ? 0x0F : 0xFF;
   const int64_t per_load = w.inputs_per_load();
-  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
-    const int* input = w.bits == 4 ? pagedllm::kInputOfNibble : pagedllm::kInputOfByte;
-    const uint32_t mask = w.bits == 4 ? 0x0F : 0xFF;
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t columns = std::min<int64_t>(kPanel, w.n - p * kPanel);
-      for (int64_t l = 0; l < w.k / per_load; ++l) {
-        const int64_t g = l * per_load / w.group;
-        for (int64_t c = 0; c < columns; ++c) {
-          const float scale = w.scale(p, g, c), offset = w.offset(p, g, c);
-          const uint8_t* lane = w.panel(p) + l * kLoadBytes + c * 4;
-          const uint32_t word = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
-          const int64_t at = (p * kPanel + c) * w.k + l * per_load;
-          for (int64_t e = 0; e < per_load; ++e) {
-            const float v = std::fma(static_cast<float>((word >> (w.bits * e)) & mask), scale, offset);
-            if (bf16)
-              dense_bf16[at + input[e]] = at::BFloat16(v);
-            else
-              dense[at + input[e]] = v;
-          }
-        }
-      }
+  for (int64_t l = 0; l < w.k / per_load; ++l) {
+    const int64_t g = l * per_load / w.group;
+    const float scale = w.scale(p, g, c), offset = w.offset(p, g, c);
+    const uint8_t* lane = w.panel(p) + l * kLoadBytes + c * 4;
+    const uint32_t word = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
+    for (int64_t e = 0; e < per_load; ++e)
+      dst[l * per_load + input[e]] = static_cast<T>(std::fma(static_cast<float>((word >> (w.bits * e)) & mask),
+                                                             scale, offset));
+  }
+}
+
+// Rows ids of the weight (output rows; all of them without ids) as a dense [rows, k] float32 or bf16 tensor.
+at::Tensor dequantize(const Weights& w, const at::Tensor& values, const int64_t* ids, int64_t rows, bool bf16) {
+  at::Tensor out = values.new_empty({rows, w.k}, values.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / w.k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t row = ids ? ids[r] : r;
+      TORCH_CHECK(row >= 0 && row < w.n, "row ", row, " is outside the weight's ", w.n, " rows");
+      if (bf16)
+        dequantize_column(w, row / kPanel, row % kPanel, out.data_ptr<at::BFloat16>() + r * w.k);
+      else
+        dequantize_column(w, row / kPanel, row % kPanel, out.data_ptr<float>() + r * w.k);
     }
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                             int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16) {
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  return dequantize(w, values, nullptr, w.n, bf16);
+}
+
+at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                           int64_t bits, int64_t group, int64_t zero, int64_t out_features, const at::Tensor& ids,
+                           bool bf16) {
+  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const at::Tensor rows = ids.to(at::kLong).contiguous();
+  return dequantize(w, values, rows.data_ptr<int64_t>(), rows.numel(), bf16);
 }

@@ -47,11 +47,16 @@ class Int8GemmLinear(torch.nn.Module):
         self.float_output = False
         self._kernels = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q @ W_int8.T * w_scale as [rows, out], the rows' scales s): the output is s times the first."""
         q, row_scales = self._kernels.quantize_rows_int8(x)
         out = torch.ops.onednn.qlinear_pointwise(
             q, 1.0, 0, self.packed, self.weight_scales, self.weight_zero_points, None, 1.0, 0,
             torch.float32 if self.float_output else x.dtype, "none", [None], "")
+        return out, row_scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, row_scales = self.unscaled(x)
         self._kernels.scale_rows(out, row_scales, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -60,11 +65,16 @@ class Int8GemmLinear(torch.nn.Module):
 
 
 class Int8GemmSiluAndMul(Int8GemmLinear):
-    """A SwiGLU's [gate; up] W8A8 projection returning silu(gate) * up."""
+    """A SwiGLU's [gate; up] W8A8 projection returning silu(gate) * up, the rows' scales applied in the SiLU's pass
+    (the widest output of the layer is not read and written once more for them)."""
 
     fuses_silu_and_mul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        both = super().forward(x)
         width = self.out_features // 2
-        return self._kernels.silu_and_mul(both[..., :width], both[..., width:])
+        if self.bias is not None:
+            both, row_scales = super().forward(x).reshape(-1, self.out_features), None
+        else:
+            both, row_scales = self.unscaled(x)
+        out = self._kernels.silu_and_mul(both[:, :width], both[:, width:], row_scales)
+        return out.reshape(*x.shape[:-1], width)

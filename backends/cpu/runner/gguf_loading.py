@@ -23,9 +23,11 @@ from pagedllm.models.gguf_file import open_gguf
 logger = logging.getLogger("pagedllm.cpu")
 
 
-def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_implementation: str):
+def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_implementation: str,
+                    embedding_from_head: bool = False):
     """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
-    generation config) of ``config_dir``."""
+    generation config) of ``config_dir``. With ``embedding_from_head``, a plain token embedding tied to a quantized
+    head is left on the meta device, for quantized_embedding.embed_from_head to look up in the head's panels."""
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -40,11 +42,13 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     head_name = next((name for name, linear in linears.items() if linear is head), None)
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False) and head_name is not None
     quantized, dense_types = {}, collections.Counter()
+    lookup_in_head = embedding_from_head and type(model.get_input_embeddings()) is torch.nn.Embedding
     for tensor in reader.tensors:
         hf_name = to_hf.get(tensor.name)
         if hf_name is None:
             continue
-        names = [hf_name] + ([head_name + ".weight"] if tied and hf_name.endswith("embed_tokens.weight") else [])
+        # a tied head first: whether it takes the file's blocks decides whether the embedding needs dense rows
+        names = ([head_name + ".weight"] if tied and hf_name.endswith("embed_tokens.weight") else []) + [hf_name]
         for name in names:
             linear = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file)) is not None:
@@ -52,6 +56,8 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                 continue
             if linear is head and tied and name != hf_name:
                 continue  # the head shares the embedding's dense rows (tie_weights below)
+            if name == hf_name and len(names) > 1 and head_name in quantized and lookup_in_head:
+                continue
             values = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
             # float tensors come back as views of the read-only mapped file: copied as they become the dtype
             _set_tensor(model, name, torch.tensor(values).to(dtype) if not values.flags.writeable
@@ -62,8 +68,10 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
         attach(linears[name], weight)
     if tied and head_name not in quantized:
         head.weight = model.get_input_embeddings().weight
+    embedding = model.get_input_embeddings().weight
     empty = [name for name, param in model.named_parameters()
-             if param.is_meta and name.removesuffix(".weight") not in quantized]
+             if param.is_meta and name.removesuffix(".weight") not in quantized
+             and not (param is embedding and head_name in quantized and lookup_in_head)]
     if empty:
         raise UnsupportedModelError(f"{gguf_file}: no tensor for {', '.join(empty[:3])}"
                                     f"{' ...' if len(empty) > 3 else ''} (an architecture transformers maps "

@@ -17,6 +17,7 @@ from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.layers.lora import StepAdapters, load_adapter, wrap_projections
 from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
+from pagedllm.backends.cpu.layers.quantized_embedding import embed_from_head
 from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, INT8_ROWS, quantized_bytes, quantized_path
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
@@ -91,8 +92,9 @@ class ModelRunner:
                               f"in use here (PAGEDLLM_CPU_ATTENTION=torch, or their build failed); use "
                               f"--quantization none")
         if quantization == "gguf":
+            # one process holds the whole head: the embedding can look its rows up there (ranks shard the vocabulary)
             self.model, weights = load_gguf_model(self.model_dir, self.gguf_file, self.dtype,
-                                                  attention.ATTENTION_NAME)
+                                                  attention.ATTENTION_NAME, embedding_from_head=self.rank is None)
         elif self.rank is not None and quantization == "none" and has_safetensors(self.model_dir):
             # this rank's shard read out of the memory-mapped files: the whole model is never in this process
             self.model, weights = meta_model_over_files(self.model_dir, self.dtype, attention.ATTENTION_NAME), {}
@@ -118,6 +120,9 @@ class ModelRunner:
             logger.info("LoRA: %d projections take adapters (each adapter's low-rank product on its own rows after "
                         "the base GEMM)", len(self.lora_targets))
         packed = use_packed_linears(self.model, self.kernels, self.batch_invariant, self.int8_activations)
+        if embed_from_head(self.model, self.kernels):
+            logger.info("token embedding: rows dequantized from the tied LM head's quantized weight per step (no "
+                        "dense table)")
         head_in_float32 = float32_logits(self.model)
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                        if count) or "nn.Linear",

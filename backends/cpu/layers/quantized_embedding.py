@@ -1,0 +1,43 @@
+"""The token embedding of a GGUF model whose LM head is tied to it, looked up in the head's quantized panels.
+
+The dense table is the vocabulary times the hidden size (half a GB in bf16 for a Llama-3 vocabulary), more than the
+whole quantized head, and a step reads only its tokens' rows: those are dequantized per call instead, to the same
+values the dense table held (csrc/quantized_linear.cpp's dequantize_rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+
+
+class HeadPanelEmbedding(torch.nn.Module):
+    """nn.Embedding's forward over a QuantizedLinear head's weight (same rows: tied)."""
+
+    def __init__(self, head: QuantizedLinear, dtype: torch.dtype, kernels) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        # the head's tensors, not registered again: its module holds them
+        self._weight = (head.values, head.scales, head.offsets, head.bits, head.group, head.zero, head.out_features)
+        self.bf16 = dtype == torch.bfloat16
+        self._kernels = kernels
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self._kernels.dequantize_rows(*self._weight, input_ids.reshape(-1), self.bf16)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from the tied head's quantized panels"
+
+
+def embed_from_head(model: torch.nn.Module, kernels) -> bool:
+    """Give a model whose embedding was left unloaded (load_gguf_model's ``embedding_from_head``) the lookup in its
+    quantized head; False if its embedding is loaded."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not embedding.weight.is_meta:
+        return False
+    if not isinstance(head, QuantizedLinear):
+        raise RuntimeError(f"the token embedding was left for the head's panels, but the head is a {type(head)}")
+    model.set_input_embeddings(HeadPanelEmbedding(head, model.dtype, kernels))
+    return True
