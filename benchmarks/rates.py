@@ -6,15 +6,46 @@ use it too: the script's own folder is on their import path.
 """
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory (the model, its KV cache and everything else it held at once)."""
+    """This process's peak resident memory (the model, its KV cache and everything else it held at once), plus the
+    peaks of its live child processes (vLLM's engine core runs in one): summed, though they may not coincide."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    own = peak if sys.platform == "darwin" else peak * 1024
+    return own + sum(_peak_of(pid) for pid in _descendants(os.getpid()))
+
+
+def _descendants(root: int) -> list[int]:
+    """Live processes below ``root``, from /proc (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
+
+
+def _peak_of(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), 0 if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def rate_fields(workload: str, num_requests: int, num_prompt: int, num_output: int, elapsed: float,

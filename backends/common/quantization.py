@@ -9,12 +9,13 @@ QUANTIZATION = Setting(
     "quantization", str, "auto",
     "weight quantization: auto = a GGUF file's quantized tensors on the cpu backend in bf16 with AVX512_BF16, else "
     "none; gguf = a GGUF file's quantized tensors as they are (cpu); "
-    "q8_0, q4_0 = GGUF's block formats made at load (cpu); int8 = int8 weights (cpu: W8A8 with int8 activations; "
-    "openvino: NNCF int8); int4 = 4-bit weights (openvino: NNCF int4, groups of 128; cpu: q4_0)",
+    "q8_0, q4_0 = GGUF's block formats made at load (cpu); int8 = int8 weights (cpu: W8A8, int8 activations per "
+    "row through oneDNN's int8 GEMM in bf16; openvino: NNCF int8); int4 = 4-bit weights (openvino: NNCF int4, "
+    "groups of 128; cpu: q4_0)",
     ("auto", "none", "gguf", "q8_0", "q4_0", "int8", "int4"), short_flag="-q")
 
 INT8_ACTIVATIONS = Setting(
     "int8_activations", bool, False,
     "cpu, quantized weights of a bf16 model: quantize a decode step's activations (up to 4 rows) to int8 per 32 "
     "inputs and take integer dot products, as llama.cpp (faster batch-1 decode, less agreement with float32; see "
-    "docs/quantization.md); always on for --quantization int8 (W8A8)")
+    "docs/quantization.md); --quantization int8 in bf16 quantizes every call's activations per row instead (W8A8)")
