@@ -19,6 +19,7 @@ def tcmalloc_loaded() -> bool:
         return "tcmalloc" in os.environ.get("LD_PRELOAD", "")
 
 
+MADV_DONTNEED = 4
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 #: How much of a new KV cache the backends commit at start-up, in the order the allocator hands out blocks.
@@ -41,6 +42,45 @@ def commit(address: int, nbytes: int) -> bool:
     page can cost a host fault, and one paid inside a step stalls every thread at the next barrier. False where
     the kernel cannot (not Linux, or older than 5.14): the pages then come on first write, as before."""
     return nbytes > 0 and madvise(address, nbytes, MADV_POPULATE_WRITE) == 0
+
+
+def drop_mapped_pages(array) -> None:
+    """Drop a read-only file mapping's pages under ``array`` (a numpy view into it) from this process's resident
+    memory once it has been read: they stay in the page cache and fault back in from the file if read again."""
+    if array.nbytes:
+        madvise(array.ctypes.data, array.nbytes, MADV_DONTNEED)
+
+
+def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of checkpoint files that hold only the file's bytes: loaders map
+    them (transformers privately and writable), and parameters of the file's dtype stay views into them. A private
+    mapping with a written page (counted as Anonymous) is left out: dropping would undo the write. Linux only."""
+    try:
+        with open("/proc/self/smaps", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    regions, current = [], None
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range, perms, offset, device, inode, path
+            current = None
+            if len(fields) == 6 and fields[5].endswith(suffixes):
+                start, end = fields[0].split("-")
+                current = (int(start, 16), int(end, 16))
+        elif current is not None and fields[0] == "Anonymous:":
+            if int(fields[1]) == 0:
+                regions.append(current)
+            current = None
+    return regions
+
+
+def drop_checkpoint_pages(regions: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of read-only checkpoint mappings (``regions``): a weight packed into a copy of its
+    own, or one read only by rows (the embedding), would otherwise keep its whole file-backed size in the process's
+    resident memory. Whatever still views them faults its pages back in from the file (the page cache) on use."""
+    for start, end in regions:
+        madvise(start, end - start, MADV_DONTNEED)
 
 
 def blocks_to_commit(num_blocks: int, bytes_per_block: int) -> int:

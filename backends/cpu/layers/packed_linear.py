@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.common import cpu_features
+from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, Int8GemmSiluAndMul, takes_int8_gemm
 from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear, QuantizedSiluAndMul, quantized_weight
 from pagedllm.errors import ConfigError
@@ -156,6 +157,7 @@ def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bo
     model take int8 dot products for a decode step's rows (see QuantizedLinear)."""
     dtypes = {dtype for dtype in (torch.float32, torch.bfloat16) if can_pack(dtype)}
     counts = {"quantized": 0, "brgemm": 0, "brgemm+silu": 0, "oneDNN": 0}
+    checkpoint = checkpoint_mappings()  # weights still viewing the files: each packed copy frees its original's pages
     names = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name in names:
@@ -176,9 +178,11 @@ def use_packed_linears(model: torch.nn.Module, kernels=None, batch_invariant: bo
             fused = getattr(linear, SWIGLU_GATE_UP, False)
             model.set_submodule(name, (BrgemmSiluAndMul if fused else BrgemmLinear)(linear, kernels))
             counts["brgemm+silu" if fused else "brgemm"] += 1
+            drop_checkpoint_pages(checkpoint)
         elif linear.weight.dtype in dtypes:
             model.set_submodule(name, PackedLinear(linear, INVARIANT_ROW_MULTIPLE if batch_invariant else 1))
             counts["oneDNN"] += 1
+            drop_checkpoint_pages(checkpoint)
     return counts
 
 

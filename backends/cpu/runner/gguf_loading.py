@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
 from pagedllm.backends.cpu.layers.quantized_linear import attach
 from pagedllm.errors import UnsupportedModelError
@@ -64,6 +65,9 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                         else torch.from_numpy(np.ascontiguousarray(values)).to(dtype))
             if linear is not None:
                 dense_types[tensor.tensor_type.name] += 1
+        # read: the file's pages would otherwise stay in this process's resident memory until the whole file was
+        # read, beside everything made of them
+        drop_mapped_pages(tensor.data)
     for name, weight in quantized.items():
         attach(linears[name], weight)
     if tied and head_name not in quantized:

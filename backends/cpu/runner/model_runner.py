@@ -12,7 +12,7 @@ import time
 import torch
 
 from pagedllm.backend import ModelInfo
-from pagedllm.backends.common.memory import blocks_to_commit
+from pagedllm.backends.common.memory import blocks_to_commit, checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers import attention, kv_cache
 from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.layers.lora import StepAdapters, load_adapter, wrap_projections
@@ -104,6 +104,7 @@ class ModelRunner:
             self.model.eval()
             weights = quantize_linears(self.model, quantization)
         logger.info("%s", describe_quantized(self.model, quantization, weights))
+        del weights  # the layers hold them: kept here, every one would outlive its fused and packed forms
         if self.rank is not None:
             shard_model(self.model, self.rank)
             to_dtype(self.model, self.dtype)
@@ -137,6 +138,7 @@ class ModelRunner:
                         "and every token attends through the one-row kernel")
         logger.info("C++ kernels in the other layers: %d RMSNorm layers, %d SwiGLU MLPs, %d attention layers' RoPE",
                     *fused)
+        drop_checkpoint_pages(checkpoint_mappings())  # what still views the files faults in only what it reads
         logger.info(weights_on_huge_pages(self.model))
         text = self.model.config.get_text_config()
         num_heads = text.num_attention_heads

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers.quant_formats import quantize
 from pagedllm.backends.cpu.layers.quantized_linear import attach
 
@@ -54,10 +55,12 @@ def _quantized_at_load(model: torch.nn.Module, linears: dict, mode: str) -> dict
     """The decoder's linears in ``mode``; the LM head stays dense for int8 (as vLLM's W8A8) and is q8_0 for the
     block formats (as llama.cpp keeps the output layer at higher precision)."""
     head = model.get_output_embeddings()
+    checkpoint = checkpoint_mappings()  # each weight read from the files gives its pages back once quantized
     weights = {}
     for name, linear in linears.items():
         fmt = ("q8_0" if mode != "int8" else None) if linear is head else mode
         if fmt is None or linear.in_features % 32:
             continue
         weights[name] = quantize(linear.weight, fmt)
+        drop_checkpoint_pages(checkpoint)
     return weights
