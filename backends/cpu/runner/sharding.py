@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight, concatenate
 from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
 from pagedllm.errors import ConfigError
@@ -152,7 +153,9 @@ def _zero_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
 
 
 def shard_model(model: torch.nn.Module, rank: Rank) -> None:
-    """Replace ``model``'s layers by this rank's shards (see the module docstring)."""
+    """Replace ``model``'s layers by this rank's shards (see the module docstring). Each shard is a copy: the pages of
+    a memory-mapped checkpoint that a layer's slices read go back after each layer."""
+    checkpoint = checkpoint_mappings()
     decoder = model.get_decoder()
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -162,12 +165,14 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
         for name in ("gate_proj", "up_proj"):
             setattr(mlp, name, column_parallel(getattr(mlp, name), rank))
         mlp.down_proj = RowParallel(mlp.down_proj, rank)
+        drop_checkpoint_pages(checkpoint)
     vocab = model.config.get_text_config().vocab_size
     chunk = cdiv(vocab, rank.world_size)
     start = rank.rank * chunk
     embedding, head = decoder.embed_tokens, model.lm_head  # a tied head is the embedding's weight: read it first
     model.lm_head = VocabParallelHead(head, start, chunk, vocab, rank)
     decoder.embed_tokens = VocabParallelEmbedding(embedding, start, min(start + chunk, vocab), rank)
+    drop_checkpoint_pages(checkpoint)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
