@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedllm.backends.cpu.layers.quant_formats import quantize, unpack_values
+from pagedllm.backends.cpu.layers.int8_gemm import signed_int8
+from pagedllm.backends.cpu.layers.quant_formats import quantize
 
 # the decoder's linear projections, as Llama-family checkpoints name them
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -40,9 +41,8 @@ def is_projection(name: str, tensor: torch.Tensor) -> bool:
 
 def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [out, in], float32 scale [out, 1]) exactly as pagedllm's ``int8`` quantization makes them."""
-    quantized = quantize(weight, "int8")
-    values = (unpack_values(quantized.values, 8).to(torch.int16) - 128).to(torch.int8)
-    return values, quantized.scales[:, :1].contiguous()
+    values, scales = signed_int8(quantize(weight, "int8"))
+    return values, scales.reshape(-1, 1)
 
 
 def w8a8_folder(hf_dir: Path, out: Path) -> Path:

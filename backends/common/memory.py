@@ -51,10 +51,11 @@ def drop_mapped_pages(array) -> None:
         madvise(array.ctypes.data, array.nbytes, MADV_DONTNEED)
 
 
-def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[tuple[int, int]]:
-    """(start, end) of this process's mappings of checkpoint files that hold only the file's bytes: loaders map
-    them (transformers privately and writable), and parameters of the file's dtype stay views into them. A private
-    mapping with a written page (counted as Anonymous) is left out: dropping would undo the write. Linux only."""
+def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[str]:
+    """This process's mappings of checkpoint files that hold only the file's bytes, as /proc/self/maps names them:
+    loaders map the files (transformers privately and writable), and parameters of the file's dtype stay views into
+    them. A private mapping with a written page (counted as Anonymous) is left out: dropping would undo the write.
+    Linux only (smaps walks the pages, so callers take this once and drop many times)."""
     try:
         with open("/proc/self/smaps", encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -64,10 +65,7 @@ def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[t
     for line in lines:
         fields = line.split(maxsplit=5)
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range, perms, offset, device, inode, path
-            current = None
-            if len(fields) == 6 and fields[5].endswith(suffixes):
-                start, end = fields[0].split("-")
-                current = (int(start, 16), int(end, 16))
+            current = line if len(fields) == 6 and fields[5].endswith(suffixes) else None
         elif current is not None and fields[0] == "Anonymous:":
             if int(fields[1]) == 0:
                 regions.append(current)
@@ -75,12 +73,20 @@ def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[t
     return regions
 
 
-def drop_checkpoint_pages(regions: list[tuple[int, int]]) -> None:
-    """Drop the resident pages of read-only checkpoint mappings (``regions``): a weight packed into a copy of its
-    own, or one read only by rows (the embedding), would otherwise keep its whole file-backed size in the process's
-    resident memory. Whatever still views them faults its pages back in from the file (the page cache) on use."""
-    for start, end in regions:
-        madvise(start, end - start, MADV_DONTNEED)
+def drop_checkpoint_pages(regions: list[str]) -> None:
+    """Drop the resident pages of the checkpoint mappings ``regions`` (from checkpoint_mappings) that are still
+    mapped as they were: a weight packed into a copy of its own, or one read only by rows (the embedding), would
+    otherwise keep its whole file-backed size in the process's resident memory. Whatever still views them faults
+    its pages back in from the file (the page cache) on use. A range unmapped since, and perhaps reused by other
+    memory, is left alone: dropping anonymous pages would zero them."""
+    if not regions:
+        return
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        mapped = set(f.read().splitlines())
+    for line in regions:
+        if line in mapped:
+            start, end = (int(bound, 16) for bound in line.split(maxsplit=1)[0].split("-"))
+            madvise(start, end - start, MADV_DONTNEED)
 
 
 def blocks_to_commit(num_blocks: int, bytes_per_block: int) -> int:

@@ -1,13 +1,13 @@
-"""Loading keeps no more than the model: the checkpoint's mapped pages go back once its weights are copied (packed,
-quantized), a GGUF file's pages as each tensor is read, and a tied embedding of a quantized head is not held dense."""
+"""Loading keeps no more than the model: a checkpoint's mapped pages go back once its weights are copied (packed),
+and only pages that hold nothing but the file's bytes, in ranges still mapped as they were, are ever dropped."""
 
 import ctypes
 import mmap
 import sys
 
 import pytest
+import torch
 
-from pagedllm import LLM, SamplingParams
 from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -27,6 +27,10 @@ def mapped_kib(suffix: str) -> tuple[int, int]:
     return resident, count
 
 
+def mapped_ranges() -> set[tuple[int, int]]:
+    return {tuple(int(bound, 16) for bound in line.split()[0].split("-")) for line in checkpoint_mappings()}
+
+
 def test_a_written_private_mapping_is_never_dropped(tmp_path):
     path = tmp_path / "weights.safetensors"
     path.write_bytes(b"\1" * 4 * mmap.PAGESIZE)
@@ -34,21 +38,57 @@ def test_a_written_private_mapping_is_never_dropped(tmp_path):
         region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     view = ctypes.c_char.from_buffer(region)
     address = ctypes.addressof(view)
-    assert region[0] == 1 and (address, address + 4 * mmap.PAGESIZE) in checkpoint_mappings()  # read: droppable
+    assert region[0] == 1 and (address, address + 4 * mmap.PAGESIZE) in mapped_ranges()  # read: droppable
     region[0] = 7  # written: the page is the process's own now
-    assert (address, address + 4 * mmap.PAGESIZE) not in checkpoint_mappings()
+    assert (address, address + 4 * mmap.PAGESIZE) not in mapped_ranges()
     drop_checkpoint_pages(checkpoint_mappings())
     assert region[0] == 7 and region[mmap.PAGESIZE] == 1
     del view
     region.close()
 
 
-def test_loading_a_folder_leaves_its_files_pages_behind(tiny_llama):
-    """bf16 from a float32 file: every weight is a copy, so none of the file stays resident (float32 weights would
-    be the file's own pages, read by every step)."""
-    llm = LLM(str(tiny_llama), dtype="bfloat16", max_model_len=128, kv_cache_space=0.01)
-    resident, _ = mapped_kib(str(tiny_llama / "model.safetensors"))
-    assert resident == 0
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-    llm.shutdown()
+def test_a_mapping_gone_since_is_left_alone(tmp_path, monkeypatch):
+    """Its range may hold other memory by now, where dropping pages would zero them."""
+    from pagedllm.backends.common import memory
+
+    path = tmp_path / "gone.safetensors"
+    path.write_bytes(b"\1" * mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    assert region[0] == 1
+    regions = [line for line in checkpoint_mappings() if line.endswith(str(path))]
+    assert len(regions) == 1
+    dropped = []
+    monkeypatch.setattr(memory, "madvise", lambda address, nbytes, advice: dropped.append((nbytes, advice)))
+    drop_checkpoint_pages(regions)
+    assert dropped == [(mmap.PAGESIZE, memory.MADV_DONTNEED)]  # still mapped: dropped
+    region.close()
+    drop_checkpoint_pages(regions)
+    assert len(dropped) == 1
+
+
+def test_packing_a_folders_weights_leaves_its_files_pages_behind(tiny_llama, tmp_path):
+    """bf16 files into a bf16 model: transformers keeps the parameters as views of the mapped file, and packing reads
+    every page of a weight into a copy of its own; those pages go back as each weight is packed."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
+    from pagedllm.backends.cpu.runner.kernels import load_kernels
+
+    kernels, _ = load_kernels("auto")
+    if kernels is None or not kernels.linear_bf16_available():
+        pytest.skip("bf16 weights are packed only with the AVX512_BF16 kernels")
+    AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    file = str(tmp_path / "model.safetensors")
+    assert mapped_kib(file)[1] >= 1  # the parameters view the mapped file
+    for module in model.modules():  # read every weight, as packing does
+        if isinstance(module, torch.nn.Linear):
+            module.weight.float().sum()
+    assert mapped_kib(file)[0] > 0
+    counts = use_packed_linears(model, kernels)
+    assert counts["brgemm"] + counts["brgemm+silu"] > 0
+    assert mapped_kib(file) == (0, 1)  # still mapped (the embedding views it), none of it resident
+    with torch.inference_mode():  # what still views it faults back in from the file
+        logits = model(torch.tensor([[5, 6, 7]])).logits
+    assert torch.isfinite(logits).all()

@@ -384,7 +384,6 @@ at::Tensor dequantize(const Weights& w, const at::Tensor& values, const int64_t*
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / w.k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t row = ids ? ids[r] : r;
-      TORCH_CHECK(row >= 0 && row < w.n, "row ", row, " is outside the weight's ", w.n, " rows");
       if (bf16)
         dequantize_column(w, row / kPanel, row % kPanel, out.data_ptr<at::BFloat16>() + r * w.k);
       else
@@ -407,5 +406,8 @@ at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, c
                            bool bf16) {
   const Weights w(values, scales, offsets, bits, group, zero, out_features);
   const at::Tensor rows = ids.to(at::kLong).contiguous();
-  return dequantize(w, values, rows.data_ptr<int64_t>(), rows.numel(), bf16);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows.numel(); ++r)
+    TORCH_CHECK(row[r] >= 0 && row[r] < w.n, "row ", row[r], " is outside the weight's ", w.n, " rows");
+  return dequantize(w, values, row, rows.numel(), bf16);
 }

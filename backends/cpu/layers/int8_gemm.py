@@ -27,6 +27,13 @@ def takes_int8_gemm(weight: QuantizedWeight, bf16: bool, kernels) -> bool:
             and hasattr(kernels, "quantize_rows_int8") and int8_gemm_available())
 
 
+def signed_int8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``int8`` weight as (int8 values [out, in], float32 scale per output row): quantize() keeps the values offset
+    by 128 and the row's scale repeated per block of 32 inputs."""
+    values = (unpack_values(weight.values, 8).to(torch.int16) - 128).to(torch.int8)
+    return values, weight.scales[:, 0].float().contiguous()
+
+
 class Int8GemmLinear(torch.nn.Module):
     """nn.Linear's forward as x ~ s * q per row (int8 q, float32 s), then s * (q @ W_int8.T) * w_scale + bias."""
 
@@ -36,11 +43,10 @@ class Int8GemmLinear(torch.nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.format, self.bits = weight.format, 8
-        # quantize() keeps one scale per row, repeated per block of 32 inputs, and values offset by 128
-        values = (unpack_values(weight.values, 8).to(torch.int16) - 128).to(torch.int8)
+        self.format = weight.format
+        values, scales = signed_int8(weight)
         self.packed = torch.ops.onednn.qlinear_prepack(values, None)
-        self.register_buffer("weight_scales", weight.scales[:, 0].float().contiguous())
+        self.register_buffer("weight_scales", scales)
         self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.nbytes = values.numel() + self.weight_scales.nbytes

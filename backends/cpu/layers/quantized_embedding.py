@@ -18,8 +18,7 @@ class HeadPanelEmbedding(torch.nn.Module):
     def __init__(self, head: QuantizedLinear, dtype: torch.dtype, kernels) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
-        # the head's tensors, not registered again: its module holds them
-        self._weight = (head.values, head.scales, head.offsets, head.bits, head.group, head.zero, head.out_features)
+        self._weight = head.arguments  # the head's tensors, not registered again: its module holds them
         self.bf16 = dtype == torch.bfloat16
         self._kernels = kernels
 

@@ -86,10 +86,14 @@ class QuantizedLinear(torch.nn.Module):
             return "int8 and bf16 tiles" if self.int8_activations else "bf16"
         return "int8" if self.int8_activations else "float32"
 
+    @property
+    def arguments(self) -> tuple:
+        """The weight's first arguments of the kernels that take the column count (quant_formats.PanelWeight's)."""
+        return self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        weight = (self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.out_features,
-                  self.bias)
+        weight = (*self.arguments, self.bias)
         if self.bf16_kernels:
             if self.kernel_only or rows > self.few_rows:
                 return self._kernels.quantized_linear_bf16(x, *weight, self.float_output)
@@ -121,6 +125,6 @@ class QuantizedSiluAndMul(QuantizedLinear):
         rows = x.numel() // self.in_features
         if self.bf16_kernels and (self.kernel_only or rows > self.few_rows) and self.width % PANEL == 0:
             return self._kernels.quantized_linear_silu_and_mul_bf16(
-                x, self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.bias, self.width)
+                x, *self.arguments[:6], self.bias, self.width)
         both = super().forward(x)
         return self._kernels.silu_and_mul(both[..., :self.width], both[..., self.width:])

@@ -72,10 +72,10 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
         attach(linears[name], weight)
     if tied and head_name not in quantized:
         head.weight = model.get_input_embeddings().weight
-    embedding = model.get_input_embeddings().weight
+    # left for the head's panels (embed_from_head)
+    embedding = model.get_input_embeddings().weight if lookup_in_head and head_name in quantized else None
     empty = [name for name, param in model.named_parameters()
-             if param.is_meta and name.removesuffix(".weight") not in quantized
-             and not (param is embedding and head_name in quantized and lookup_in_head)]
+             if param.is_meta and name.removesuffix(".weight") not in quantized and param is not embedding]
     if empty:
         raise UnsupportedModelError(f"{gguf_file}: no tensor for {', '.join(empty[:3])}"
                                     f"{' ...' if len(empty) > 3 else ''} (an architecture transformers maps "
