@@ -1,6 +1,7 @@
 """The tool-call and reasoning parsers against real models' chat templates: those optimum-intel ships (Qwen3 with
 hermes-style calls and thinking, Mistral's [TOOL_CALLS], DeepSeek-R1's thinking), read from the installed package,
-and those kept in chat_templates/ as the models publish them (Llama 3.2's JSON calls, Qwen3-Coder's XML calls).
+and those kept in chat_templates/ as the models publish them (Llama 3.2's JSON calls, Qwen3-Coder's XML calls,
+LFM2's pythonic calls).
 
 What a template writes for an assistant turn is what the model was trained to generate: each turn is rendered, its
 text after the prompt is parsed back, and the calls (or reasoning) must be the ones that went in. History arguments
@@ -109,3 +110,18 @@ def test_qwen3_coder_xml_tool_calls_round_trip(tokenizer):
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>" in text
     content, calls = parsed_calls("qwen3_xml", text)
     assert content.strip() == "Let me look." and calls == EXPECTED  # days typed by the tool's schema
+
+
+def test_lfm2_pythonic_tool_calls_round_trip(tokenizer):
+    """LFM2 lists the tools in its system turn and writes its calls as a Python list between its tool-call tags, in
+    the content (its template renders no ``tool_calls`` field): the ``pythonic`` parser reads them back."""
+    chat_template = (TEMPLATE_FILES / "LFM2.jinja").read_text()
+    prompt = render_chat(tokenizer, [USER], chat_template, True, tools=[WEATHER])["prompt"]
+    assert f"List of tools: <|tool_list_start|>[{json.dumps(WEATHER)}]<|tool_list_end|>" in prompt
+    written = '<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>Checking the weather.'
+    text = generated_part(tokenizer, chat_template, {"role": "assistant", "content": written}, "<|im_end|>")
+    assert parsed_calls("pythonic", text) == ("Checking the weather.", EXPECTED)
+    tool_turn = render_chat(tokenizer, [USER, {"role": "assistant", "content": written},
+                                        {"role": "tool", "content": "Sunny"}], chat_template, True)["prompt"]
+    assert tool_turn.endswith("<|im_start|>tool\n<|tool_response_start|>Sunny<|tool_response_end|><|im_end|>\n"
+                              "<|im_start|>assistant\n")

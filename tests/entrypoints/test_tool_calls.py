@@ -105,6 +105,14 @@ PARSER_CASES = {
     "pythonic-llama4-tags": ("pythonic", "<|python_start|>[get_time(tz='UTC')]<|python_end|>", None,
                              [("get_time", '{"tz": "UTC"}')]),
     "pythonic-text": ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
+    "pythonic-lfm2": ("pythonic", 'Let me look. <|tool_call_start|>[get_weather(city="Paris"), get_time()]'
+                                  "<|tool_call_end|>Checking both.", "Let me look. Checking both.",
+                      [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    "pythonic-lfm2-twice": ("pythonic", "<|tool_call_start|>[get_time(tz='<|tool_call_end|>')]<|tool_call_end|>"
+                                        "then <|tool_call_start|>[get_time()]<|tool_call_end|>", "then ",
+                            [("get_time", '{"tz": "<|tool_call_end|>"}'), ("get_time", "{}")]),
+    "pythonic-lfm2-no-list": ("pythonic", "<|tool_call_start|> none [x] <|im", "<|tool_call_start|> none [x] <|im",
+                              []),
     "qwen3-xml": ("qwen3_xml", "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                                "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
                   "I will look.\n", [("get_weather", '{"city": "Paris", "days": 3}')]),
@@ -136,6 +144,22 @@ def test_arguments_stream_as_they_are_written():
     assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": ""}, {"arguments": '{"ci'}]
     _, deltas = stream.feed('ty": "Pa')
     assert deltas == [{"index": 0, "function": {"arguments": 'ty": "Pa'}}]
+
+
+def test_pythonic_arguments_stream_one_keyword_at_a_time():
+    """A pythonic call's name goes out at its parenthesis, each argument once its value is written: a value that is
+    not a literal as its source text, a call cut off by the length limit as the arguments it had."""
+    stream = calling("auto", "pythonic").stream()
+    _, deltas = stream.feed("[get_weather(")
+    assert [d["function"] for d in deltas] == [{"name": "get_weather", "arguments": ""}]
+    _, deltas = stream.feed('city="Paris, FR", days=')
+    assert deltas == [{"index": 0, "function": {"arguments": '{"city": "Paris, FR"'}}]
+    _, deltas = stream.feed("3, when=today, ")
+    assert [d["function"]["arguments"] for d in deltas] == [', "days": 3', ', "when": "today"']
+    _, deltas = stream.feed('units={"t": "C"}), get_time(tz="U')
+    assert [d["function"]["arguments"] for d in deltas] == [', "units": {"t": "C"}', "}", ""]
+    assert deltas[2]["function"]["name"] == "get_time"
+    assert stream.finish() == ("", [{"index": 1, "function": {"arguments": "{}"}}])
 
 
 def test_a_tool_call_nested_past_the_json_parser_is_read_without_recursion():

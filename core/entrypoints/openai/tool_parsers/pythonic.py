@@ -1,51 +1,125 @@
-"""``pythonic`` (Llama 3.2 / Llama 4 and others): the reply is a Python list of calls, ``[get_weather(city="Paris"),
-get_time()]`` (Llama 4 may wrap it in ``<|python_start|>``/``<|python_end|>``). Each call goes out whole once its
-closing parenthesis is written, its keyword arguments as a JSON object; a reply that is not such a list is content."""
+"""``pythonic`` (Llama 3.2 / Llama 4, LFM2 and others): calls written as a Python list, ``[get_weather(city="Paris"),
+get_time()]``. Llama models write the list as the whole reply (Llama 4 may wrap it in ``<|python_start|>`` /
+``<|python_end|>``); LFM2 wraps it in ``<|tool_call_start|>`` / ``<|tool_call_end|>``, with text before or after it.
+A call's header goes out at its ``(``, then each keyword argument once written, as members of a JSON object;
+a list that holds no call, and all text outside the lists, is content."""
 
 from __future__ import annotations
 
 import ast
 import json
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallStream, header
+from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallStream, header, more_arguments, partial_suffix
 
-START_TAG, END_TAG = "<|python_start|>", "<|python_end|>"
+END_TAGS = {"<|python_start|>": "<|python_end|>", "<|tool_call_start|>": "<|tool_call_end|>"}  # Llama 4, LFM2
 
 
 class PythonicParser(ToolCallStream):
+    """A small state machine over the text not yet given out (``held``):
+    ``start`` (the reply's beginning: a bare list or a tag), ``content`` (text, watching for a tag), ``open`` (after a
+    tag, before its list), ``list`` (inside one), ``close`` (after a tagged list, before its end tag)."""
+
     def __init__(self, tools=None) -> None:
         super().__init__()
-        self.text = ""  # the whole output so far
-        self.mode: str | None = None  # "calls" | "content"
-        self.scanned = 0  # text[:scanned] has been read
+        self.mode = "start"
+        self.held = ""
+        self.block = ""  # the tag and list read so far: content after all if the list holds no call
+        self.block_calls = 0  # num_calls when the block began
+        self.end_tag: str | None = None
+        self.scanned = 0  # held[:scanned] of the list has been read
         self.depth = 0
         self.quote: str | None = None
         self.escaped = False
-        self.call_start: int | None = None
-        self.pending: list[dict] = []
+        self.call: int | None = None  # the index of the call being read
+        self.argument_start = 0
+        self.arguments_sent = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        self.text += text
-        if self.mode is None:
-            start = self.text.lstrip()
-            if not start or (START_TAG.startswith(start) and len(start) < len(START_TAG)):
-                return "", []
-            if start.startswith(START_TAG):
-                start = start[len(START_TAG):].lstrip()
-            if not start:
-                return "", []
-            self.mode = "calls" if start.startswith("[") else "content"
-            if self.mode == "content":
-                return self.text, []
-            self.scanned = self.text.index("[")
-        if self.mode == "content":
-            return text, []
-        return "", self._scan()
-
-    def _scan(self) -> list[dict]:
+        self.held += text
+        content: list[str] = []
         deltas: list[dict] = []
-        for i in range(self.scanned, len(self.text)):
-            char = self.text[i]
+        while getattr(self, "_" + self.mode)(content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def _start(self, content: list[str], deltas: list[dict]) -> bool:
+        text = self.held.lstrip()
+        if not text or any(len(text) < len(tag) and tag.startswith(text) for tag in END_TAGS):
+            return False
+        if text.startswith("["):
+            self._begin_list(self.held.index("["))
+            return True
+        for tag in END_TAGS:
+            if text.startswith(tag):
+                self._begin_block(self.held.index(tag), tag)
+                return True
+        self.mode = "content"
+        return True
+
+    def _content(self, content: list[str], deltas: list[dict]) -> bool:
+        found = [(self.held.find(tag), tag) for tag in END_TAGS if tag in self.held]
+        if found:
+            at, tag = min(found)
+            content.append(self.held[:at])
+            self._begin_block(at, tag)
+            return True
+        keep = max(partial_suffix(self.held, tag) for tag in END_TAGS)
+        content.append(self.held[:len(self.held) - keep])
+        self.held = self.held[len(self.held) - keep:]
+        return False
+
+    def _open(self, content: list[str], deltas: list[dict]) -> bool:
+        text = self.held.lstrip()
+        if not text:
+            return False
+        if text.startswith("["):
+            self.block += self.held[:self.held.index("[")]
+            self.held = self.held[self.held.index("["):]
+            self._begin_list(0, keep_block=True)
+        else:  # a tag that opens no list: text
+            content.append(self.block)
+            self.block, self.end_tag, self.mode = "", None, "content"
+        return True
+
+    def _list(self, content: list[str], deltas: list[dict]) -> bool:
+        end = self._scan(deltas)
+        if end is None:
+            return False
+        self.block += self.held[:end]
+        self.held = self.held[end:]
+        if self.num_calls == self.block_calls:  # a list of no call, as "[1]": text
+            content.append(self.block)
+        self.block = ""
+        self.mode = "close" if self.end_tag else "content"
+        return True
+
+    def _close(self, content: list[str], deltas: list[dict]) -> bool:
+        text = self.held.lstrip()
+        if len(text) < len(self.end_tag) and self.end_tag.startswith(text):
+            return False
+        if text.startswith(self.end_tag):
+            self.held = text[len(self.end_tag):]
+        self.end_tag, self.mode = None, "content"
+        return True
+
+    def _begin_block(self, at: int, tag: str) -> None:
+        self.block = self.held[at:at + len(tag)]
+        self.held = self.held[at + len(tag):]
+        self.block_calls = self.num_calls
+        self.end_tag, self.mode = END_TAGS[tag], "open"
+
+    def _begin_list(self, at: int, keep_block: bool = False) -> None:
+        if not keep_block:
+            self.block, self.block_calls, self.end_tag = self.held[:at], self.num_calls, None
+        self.held = self.held[at:]
+        self.mode, self.scanned, self.depth, self.quote, self.escaped, self.call = "list", 0, 0, None, False, None
+
+    def _scan(self, deltas: list[dict]) -> int | None:
+        """Reads the list on from ``scanned``, sending each call's header at its ``(`` and each keyword argument
+        once written; the list's end, once written."""
+        text = self.held
+        for i in range(self.scanned, len(text)):
+            char = text[i]
             if self.quote is not None:
                 if self.escaped:
                     self.escaped = False
@@ -58,41 +132,74 @@ class PythonicParser(ToolCallStream):
                 self.quote = char
             elif char in "([{":
                 self.depth += 1
-                if self.depth == 2 and char == "(" and self.call_start is None:
-                    self.call_start = self._name_start(i)
+                if self.depth == 2 and char == "(":
+                    self._open_call(text, i, deltas)
+            elif char == "," and self.depth == 2 and self.call is not None:
+                self._argument(text[self.argument_start:i], deltas)
+                self.argument_start = i + 1
             elif char in ")]}":
                 self.depth -= 1
-                if self.depth == 1 and char == ")" and self.call_start is not None:
-                    call = _call(self.text[self.call_start:i + 1])
-                    self.call_start = None
-                    if call is not None:
-                        deltas.append(header(self.num_calls, *call))
-                        self.num_calls += 1
-        self.scanned = len(self.text)
-        return deltas
+                if self.depth == 1 and char == ")" and self.call is not None:
+                    self._close_call(text[self.argument_start:i], deltas)
+                elif self.depth == 0:
+                    return i + 1
+        self.scanned = len(text)
+        return None
 
-    def _name_start(self, paren: int) -> int:
+    def _open_call(self, text: str, paren: int, deltas: list[dict]) -> None:
+        """``name(`` as an element of the list (after its ``[`` or a comma) begins a call."""
         start = paren
-        while start > 0 and (self.text[start - 1].isalnum() or self.text[start - 1] in "_."):
+        while start > 0 and (text[start - 1].isalnum() or text[start - 1] in "_."):
             start -= 1
-        return start
+        name = text[start:paren]
+        if not name or not all(part.isidentifier() for part in name.split(".")):
+            return
+        if not text[:start].rstrip().endswith(("[", ",")):
+            return
+        deltas.append(header(self.num_calls, name))
+        self.call, self.num_calls = self.num_calls, self.num_calls + 1
+        self.argument_start, self.arguments_sent = paren + 1, 0
+
+    def _argument(self, source: str, deltas: list[dict]) -> None:
+        """One ``key=value`` written: sent as the next member of the arguments' JSON object."""
+        for key, value in _keywords(source):
+            opening = "{" if not self.arguments_sent else ", "
+            deltas.append(more_arguments(self.call, f"{opening}{json.dumps(key)}: {value}"))
+            self.arguments_sent += 1
+
+    def _close_call(self, source: str, deltas: list[dict]) -> None:
+        self._argument(source, deltas)
+        deltas.append(more_arguments(self.call, "}" if self.arguments_sent else "{}"))
+        self.call = None
 
     def finish(self) -> tuple[str, list[dict]]:
-        if self.mode is None:
-            return self.text, []
-        if self.mode == "calls" and not self.num_calls:
-            return self.text, []  # never a call: the reply was text after all
-        return "", []
+        if self.mode in ("list", "open") and self.num_calls > self.block_calls:
+            deltas: list[dict] = []
+            if self.call is not None:  # cut off inside a call: its arguments so far, as a whole object
+                self._close_call(self.held[self.argument_start:], deltas)
+            return "", deltas
+        if self.mode == "close" and self.end_tag.startswith(self.held.strip()):
+            return "", []
+        return self.block + self.held, []
 
 
-def _call(source: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON) of ``name(key=value, ...)`` with literal values, or None."""
+def _keywords(source: str) -> list[tuple[str, str]]:
+    """The ``key=value`` pairs in ``source`` (one argument, or none), each value as JSON text: a literal as its JSON,
+    anything else (a name, an expression) as its source text in a string. Positional arguments have no name: left
+    out."""
+    if not source.strip():
+        return []
     try:
-        node = ast.parse(source.strip(), mode="eval").body
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        name = ast.unparse(node.func)
-        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-        return name, json.dumps(arguments, ensure_ascii=False)
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        return None
+        node = ast.parse(f"f({source})", mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    pairs = []
+    for keyword in node.keywords:
+        if keyword.arg is None:
+            continue
+        try:
+            value = json.dumps(ast.literal_eval(keyword.value), ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            value = json.dumps(ast.unparse(keyword.value), ensure_ascii=False)
+        pairs.append((keyword.arg, value))
+    return pairs
