@@ -60,6 +60,8 @@ at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, c
                            bool bf16);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 void scale_rows(at::Tensor& out, const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& parts,
+              const at::Tensor& row_index, const at::Tensor& groups);
 
 namespace py = pybind11;
 
@@ -121,5 +123,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_int8", &quantize_rows_int8, "rows as int8 and a float32 scale per row (max |x| / 127)");
   m.def("scale_rows", &scale_rows, "out[r] = out[r] * scales[r] + bias, in place", py::arg("out"),
         py::arg("scales"), py::arg("bias") = py::none());
+  m.def("lora_add", &lora_add, "out[row] += (x[row] @ a[slot]) @ b[slot] for each adapter's rows, in place",
+        py::arg("out"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("parts"), py::arg("row_index"),
+        py::arg("groups"));
   m.def("bind_threads", &bind_threads, "pin the calling thread's OpenMP threads, one per CPU");
 }

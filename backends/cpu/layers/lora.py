@@ -1,11 +1,12 @@
 """LoRA adapters on the decoder layers' projections, several in one batch (as punica and vLLM's LoRA layers do):
 each projection runs its base GEMM once over every row, then adds ``scale * (x @ A^T) @ B^T`` of each row's own
 adapter. Each layer keeps its adapters' A and B stacked by slot (the parts of a fused q/k/v or gate/up side by side,
-each B in its own columns); a step gathers each adapter's rows into a padded grid once, and every layer then runs
-two batched GEMMs over it (bmm), whatever the number of adapters: no Python loop over them, no adapter's product
-on another's rows. Adapters are
-in peft's format and target any of q, k, v, o, gate, up and down; where those are fused into one GEMM (q/k/v,
-gate/up) each adds to its slice of the output.
+each B in its own columns). A step groups the rows by adapter once; every layer then adds all adapters' products in
+one call of the C++ kernel (csrc/lora.cpp: tiles of one adapter's rows, float32 sums, each fused part's own columns
+only), or, without the kernels, gathers each adapter's rows into a padded grid and runs two batched GEMMs (bmm):
+no Python loop over adapters either way, no adapter's product on another's rows. Adapters are in peft's format and
+target any of q, k, v, o, gate, up and down; where those are fused into one GEMM (q/k/v, gate/up) each adds to its
+slice of the output.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class StepAdapters:
 
     def __init__(self) -> None:
         self.slots: dict[int, int] = {}  # lora id -> its slot in every layer's stacks (the runner assigns them)
+        self.kernels = None  # the C++ kernels' module (csrc/lora.cpp), if built: lora_add instead of torch ops
         self.active = False
-        self.slot_index = self.gather = self.valid = self.rows = None
+        self.slot_index = self.gather = self.valid = self.rows = self.groups = None
         self.shape = (0, 0)
 
     def set(self, lora_ids, query_start_loc) -> None:
@@ -54,7 +56,9 @@ class StepAdapters:
         self.slot_index = None if slots == list(range(len(self.slots))) else torch.tensor(slots)  # None: all, in order
         self.gather = torch.from_numpy(grid.reshape(-1))
         self.valid = torch.from_numpy(np.flatnonzero(valid))
-        self.rows = torch.from_numpy(np.concatenate([rows for _, rows in groups]))
+        self.rows = torch.from_numpy(np.concatenate([rows for _, rows in groups]).astype(np.int64))
+        counts = np.array([len(rows) for _, rows in groups], dtype=np.int64)
+        self.groups = torch.from_numpy(np.stack([np.cumsum(counts) - counts, counts, np.array(slots)], axis=1))
         self.padded = len(self.valid) != len(self.gather)
         self.active = True
 
@@ -74,6 +78,7 @@ class LoRALinear(torch.nn.Module):
         # per dtype: [slots, in, rank], every adapter's A of every part side by side; [slots, rank, out], each part's
         # B in its columns, times its scale
         self._stacks: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._parts = torch.zeros(0, len(slices), 4, dtype=torch.int64)  # per slot: each part's columns and ranks
 
     def set_adapter(self, lora_id: int, parts: list | None, dtype: torch.dtype) -> None:
         """Attach an adapter's parts (None: remove it); the stacks are made again from the slots in use."""
@@ -88,11 +93,13 @@ class LoRALinear(torch.nn.Module):
         rank = max(sum(a.shape[0] for _, _, a, _, _ in ps) for ps in self.adapters.values())
         a_stack = torch.zeros(slots, self.in_features, rank, dtype=torch.float32)
         b_stack = torch.zeros(slots, rank, self.out_features, dtype=torch.float32)
+        self._parts = torch.zeros(slots, self._parts.shape[1], 4, dtype=torch.int64)
         for adapter_id, adapter_parts in self.adapters.items():
             slot, column = self.step.slots[adapter_id], 0
-            for start, end, a, b, scale in adapter_parts:
+            for index, (start, end, a, b, scale) in enumerate(adapter_parts):
                 a_stack[slot, :, column:column + a.shape[0]] = a.t()
                 b_stack[slot, column:column + a.shape[0], start:end] = b.t() * scale
+                self._parts[slot, index] = torch.tensor([start, end, column, column + a.shape[0]])
                 column += a.shape[0]
         # float32 for steps of few rows (torch's small bf16 GEMMs are slow on CPUs), the model's dtype for large ones
         self._stacks = {torch.float32: (a_stack, b_stack), dtype: (a_stack.to(dtype), b_stack.to(dtype))}
@@ -103,6 +110,10 @@ class LoRALinear(torch.nn.Module):
         if not step.active or not self._stacks:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if step.kernels is not None and flat_x.dtype == flat_out.dtype:
+            a, b = self._stacks[torch.float32]
+            step.kernels.lora_add(flat_out, flat_x.contiguous(), a, b, self._parts, step.rows, step.groups)
+            return out
         groups, longest = step.shape
         dtype = torch.float32 if groups * longest <= FLOAT32_ROWS else x.dtype
         a, b = self._stacks[dtype]

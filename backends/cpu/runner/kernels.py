@@ -1,5 +1,6 @@
 """The backend's C++ kernels (csrc/: paged attention for decodes and prompt chunks, bf16 linear layers, RMSNorm,
-SwiGLU's silu(gate) * up, rotary embedding, thread pinning), compiled by torch's extension loader once per ISA level.
+SwiGLU's silu(gate) * up, rotary embedding, LoRA products, thread pinning), compiled by torch's extension loader once
+per ISA level.
 
 Each level (see cpu_features) is its own build with that level's instruction set, cached under the pagedllm cache
 directory keyed by the sources, torch's version and the level, so a cache built on one machine serves any machine

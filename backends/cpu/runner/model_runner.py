@@ -71,6 +71,7 @@ class ModelRunner:
         self.cache_dtype = cache_dtype
         self.binder = binder
         self.kernels = kernels
+        self.lora_step.kernels = kernels
         self.rank = rank  # None: the whole model in this process
         self.model = None
         self.kv_caches: list[tuple] = []
@@ -119,7 +120,8 @@ class ModelRunner:
                                   "are not computed in one order whatever the batch")
             self.lora_targets = wrap_projections(self.model, self.lora_step)
             logger.info("LoRA: %d projections take adapters (each adapter's low-rank product on its own rows after "
-                        "the base GEMM)", len(self.lora_targets))
+                        "the base GEMM, %s)", len(self.lora_targets),
+                        "in the C++ kernel" if self.kernels is not None else "in torch's bmm")
         packed = use_packed_linears(self.model, self.kernels, self.batch_invariant, self.int8_activations)
         if embed_from_head(self.model, self.kernels):
             logger.info("token embedding: rows dequantized from the tied LM head's quantized weight per step (no "
