@@ -1,7 +1,8 @@
 """LoRA cost in a batch: W1 (64 prompts x 256 tokens -> 128, greedy, EOS ignored) on the base model alone against
 the same with --enable-lora and the prompts spread evenly over 4 adapters of rank 16 on all seven projections
-(random, made with peft). Base and LoRA runs alternate, each in a process of its own; prints the medians of output
-tok/s and their ratio (the issue's bar: at least 0.8x).
+(random, made with peft). Base and LoRA runs alternate (base first, then LoRA first: this VM's speed drifts within
+minutes), each in a process of its own; prints the medians of output tok/s and their ratio (the issue's bar: at
+least 0.8x).
 
     python benchmarks/lora.py --runs 3                           # SmolLM2 (its GGUF, quantized as by default)
     python benchmarks/lora.py --model-shape llama-1b --prompts 16 --output-len 64
@@ -78,7 +79,6 @@ def main() -> int:
     if args.child:
         print(json.dumps(run_once(args)))
         return 0
-    from pagedllm.backends.common.cpu_features import describe
     from pagedllm.models.source import cache_dir, resolve_model
 
     if args.model_shape:
@@ -89,14 +89,19 @@ def main() -> int:
     source = resolve_model(args.model)
     gguf = source.path.name if source.kind == "gguf" else None
     model_dir = str(source.path.parent if gguf else source.path)
-    work = Path(tempfile.mkdtemp(prefix="pagedllm-lora-"))
-    adapters = make_adapters(model_dir, gguf, work, args.rank)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as work:
+        return measure(args, source, make_adapters(model_dir, gguf, Path(work), args.rank))
+
+
+def measure(args, source, adapters: list[Path]) -> int:
+    from pagedllm.backends.common.cpu_features import describe
+
     common = [sys.executable, __file__, "--child", "--prompts", str(args.prompts), "--input-len", str(args.input_len),
               "--output-len", str(args.output_len), "--rank", str(args.rank), "--dtype", args.dtype,
               *(["--model", args.model] if args.model else [])]
     results: dict[str, list[float]] = {"base": [], "lora": []}
     for run in range(args.runs):
-        for kind in ("base", "lora"):
+        for kind in ("base", "lora") if run % 2 == 0 else ("lora", "base"):  # ABBA: a drifting box favours neither
             cmd = common + (["--adapters", *map(str, adapters)] if kind == "lora" else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             results[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
