@@ -4,7 +4,7 @@ the same with --enable-lora and the prompts spread evenly over 4 adapters of ran
 minutes), each in a process of its own; prints the medians of output tok/s and their ratio (the issue's bar: at
 least 0.8x).
 
-    python benchmarks/lora.py --runs 3                           # SmolLM2 (its GGUF, quantized as by default)
+    python benchmarks/lora.py                                    # SmolLM2 (its GGUF, quantized as by default)
     python benchmarks/lora.py --model-shape llama-1b --prompts 16 --output-len 64
 """
 
@@ -67,7 +67,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--model", help="what LLM takes (default: SmolLM2's GGUF)")
     parser.add_argument("--model-shape", help="a random model of this shape (model_shapes.py), bf16")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=4, help="an even number: as many runs with each first")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)

@@ -1,6 +1,7 @@
 """csrc/lora.cpp's lora_add, as the LoRA layers call it, against each row's low-rank product written out in float64:
 adapters of different ranks, one that leaves a fused part out, rows of the base model between them, groups that end
-mid-tile, float32 and bf16 rows; on every ISA build this CPU runs."""
+mid-tile, ranks that are and are not a multiple of the vector width, float32 and bf16 rows; on this CPU's build,
+the generic one and AVX-512's (AVX2's in CI's second pass, as the AVX2 kind of CPU)."""
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ pytestmark = [pytest.mark.skipif(load_kernels("auto")[0] is None, reason="the C+
               pytest.mark.cpu_isa]
 LEVELS = sorted({kernel_level(), *(lvl for lvl in ("generic", "avx512") if rank(lvl) <= rank(kernel_level()))},
                 key=rank)
-RANKS = {1: 16, 2: 8, 3: 5}  # lora id -> rank; adapter 2 leaves the first part out
+# lora id -> rank; adapter 2 leaves the first part out
+RANK_SETS = {"wide": {1: 16, 2: 8, 3: 5}, "narrow": {1: 5, 2: 3, 3: 1}}
 
 
 @pytest.fixture(params=LEVELS, scope="module")
@@ -22,15 +24,15 @@ def kernels(request):
     return load_kernels("kernel", request.param)[0]
 
 
-def adapted_layer(in_features: int, widths: list[int], dtype: torch.dtype):
+def adapted_layer(in_features: int, widths: list[int], dtype: torch.dtype, ranks: dict[int, int]):
     bounds = np.cumsum([0, *widths])
     slices = {f"part{i}": (int(bounds[i]), int(bounds[i + 1])) for i in range(len(widths))}
     base = torch.nn.Linear(in_features, sum(widths), bias=False).to(dtype)
     step = StepAdapters()
-    step.slots = {lora_id: slot for slot, lora_id in enumerate(RANKS)}
+    step.slots = {lora_id: slot for slot, lora_id in enumerate(ranks)}
     layer = LoRALinear(base, slices, step)
     adapters = {}
-    for lora_id, r in RANKS.items():
+    for lora_id, r in ranks.items():
         parts = [(start, end, torch.randn(r, in_features) * 0.1, torch.randn(end - start, r) * 0.1, 1.5)
                  for i, (start, end) in enumerate(slices.values()) if not (lora_id == 2 and i == 0)]
         layer.set_adapter(lora_id, parts, dtype)
@@ -41,9 +43,10 @@ def adapted_layer(in_features: int, widths: list[int], dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_features,widths", [(64, [64, 32, 32]), (100, [37, 21]), (48, [200])])
 @pytest.mark.parametrize("query_lens", [[1] * 23, [9, 1, 17, 3]])
-def test_lora_add_equals_each_rows_product(kernels, dtype, in_features, widths, query_lens):
+@pytest.mark.parametrize("ranks", RANK_SETS)
+def test_lora_add_equals_each_rows_product(kernels, dtype, in_features, widths, query_lens, ranks):
     torch.manual_seed(0)
-    layer, step, adapters = adapted_layer(in_features, widths, dtype)
+    layer, step, adapters = adapted_layer(in_features, widths, dtype, RANK_SETS[ranks])
     lora_ids = np.array([i % 4 for i in range(len(query_lens))])  # 0: the base model
     step.set(lora_ids, np.concatenate([[0], np.cumsum(query_lens)]))
     x = torch.randn(sum(query_lens), in_features).to(dtype)
@@ -70,6 +73,8 @@ def test_lora_add_refuses_rows_and_groups_out_of_range(kernels):
     rows = torch.tensor([0, 1, 2, 3])
     with pytest.raises(RuntimeError, match="row 9 is out of range"):
         kernels.lora_add(out, x, a, b, parts, torch.tensor([0, 9]), torch.tensor([[0, 2, 0]]))
+    with pytest.raises(RuntimeError, match="row 1 is listed twice"):
+        kernels.lora_add(out, x, a, b, parts, torch.tensor([1, 1]), torch.tensor([[0, 1, 0], [1, 1, 1]]))
     with pytest.raises(RuntimeError, match="group 0 is out of range"):
         kernels.lora_add(out, x, a, b, parts, rows, torch.tensor([[0, 4, 2]]))
     with pytest.raises(RuntimeError, match="part 1 is out of range"):

@@ -49,6 +49,7 @@ def whole(tools: ToolCalling, text: str, finish_reason: str = "stop"):
     return message["content"], calls, reason
 
 
+TAGGED_NO_CALL = "Hi <|tool_call_start|>[1]<|tool_call_end|> x <|python_start|>[2]<|python_end|>"
 CASES = {
     # name: (tool_choice, text, content, calls)
     "named": ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Pa}r\\"is"}', None,
@@ -111,6 +112,12 @@ PARSER_CASES = {
     "pythonic-lfm2-twice": ("pythonic", "<|tool_call_start|>[get_time(tz='<|tool_call_end|>')]<|tool_call_end|>"
                                         "then <|tool_call_start|>[get_time()]<|tool_call_end|>", "then ",
                             [("get_time", '{"tz": "<|tool_call_end|>"}'), ("get_time", "{}")]),
+    "pythonic-not-a-tool": ("pythonic", "[Source(Wikipedia)] Paris is the capital.",
+                            "[Source(Wikipedia)] Paris is the capital.", []),
+    "pythonic-tagged-no-call": ("pythonic", TAGGED_NO_CALL, TAGGED_NO_CALL, []),
+    "pythonic-unbalanced": ("pythonic", "[get_weather(city='Oslo']) done", " done",
+                            [("get_weather", '{"city": "Oslo"}')]),
+    "pythonic-space-before-tag": ("pythonic", " <|python_start|>hello", " <|python_start|>hello", []),
     "pythonic-lfm2-no-list": ("pythonic", "<|tool_call_start|> none [x] <|im", "<|tool_call_start|> none [x] <|im",
                               []),
     "qwen3-xml": ("qwen3_xml", "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"

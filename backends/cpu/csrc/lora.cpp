@@ -143,8 +143,11 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
       tiles.insert(tiles.end(), {group[0] + r, std::min(kTileRows, group[1] - r), group[2]});
     }
   }
+  std::vector<bool> seen(num_rows, false);  // a row in two tiles would be written by two threads at once
   for (int64_t i = 0; i < indexed; ++i) {
     TORCH_CHECK(row_data[i] >= 0 && row_data[i] < num_rows, "lora_add: row ", row_data[i], " is out of range");
+    TORCH_CHECK(!seen[row_data[i]], "lora_add: row ", row_data[i], " is listed twice");
+    seen[row_data[i]] = true;
   }
   for (int64_t i = 0; i < slots * num_parts; ++i) {
     const int64_t* p = part_data + 4 * i;

@@ -28,7 +28,8 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 class StepAdapters:
     """What every LoRA layer of a model needs of the current step, made once per step: the rows of each adapter in
-    it, gathered into a padded [adapters, rows] grid, and each adapter's slot in the layers' stacked weights."""
+    it (for the kernel, grouped by adapter; for the torch path, gathered into a padded [adapters, rows] grid), and
+    each adapter's slot in the layers' stacked weights."""
 
     def __init__(self) -> None:
         self.slots: dict[int, int] = {}  # lora id -> its slot in every layer's stacks (the runner assigns them)
@@ -101,8 +102,9 @@ class LoRALinear(torch.nn.Module):
                 b_stack[slot, column:column + a.shape[0], start:end] = b.t() * scale
                 self._parts[slot, index] = torch.tensor([start, end, column, column + a.shape[0]])
                 column += a.shape[0]
-        # float32 for steps of few rows (torch's small bf16 GEMMs are slow on CPUs), the model's dtype for large ones
-        self._stacks = {torch.float32: (a_stack, b_stack), dtype: (a_stack.to(dtype), b_stack.to(dtype))}
+        # float32 for the kernel and for the torch path's steps of few rows (torch's small bf16 GEMMs are slow on
+        # CPUs); the model's dtype, made when first needed, for the torch path's large steps
+        self._stacks = {torch.float32: (a_stack, b_stack)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base.forward(x)
@@ -116,6 +118,8 @@ class LoRALinear(torch.nn.Module):
             return out
         groups, longest = step.shape
         dtype = torch.float32 if groups * longest <= FLOAT32_ROWS else x.dtype
+        if dtype not in self._stacks:
+            self._stacks[dtype] = tuple(t.to(dtype) for t in self._stacks[torch.float32])
         a, b = self._stacks[dtype]
         if step.slot_index is not None:
             a, b = a.index_select(0, step.slot_index), b.index_select(0, step.slot_index)

@@ -11,7 +11,8 @@ import json
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ToolCallStream, header, more_arguments, partial_suffix
 
-END_TAGS = {"<|python_start|>": "<|python_end|>", "<|tool_call_start|>": "<|tool_call_end|>"}  # Llama 4, LFM2
+# the start tag and end tag of each wrapper a list may come in: Llama 4's, LFM2's
+WRAPPERS = {"<|python_start|>": "<|python_end|>", "<|tool_call_start|>": "<|tool_call_end|>"}
 
 
 class PythonicParser(ToolCallStream):
@@ -21,6 +22,8 @@ class PythonicParser(ToolCallStream):
 
     def __init__(self, tools=None) -> None:
         super().__init__()
+        # only the request's tools are called: "[Source(Wikipedia)] says..." is text
+        self.names = {tool.function.name for tool in tools} if tools else None
         self.mode = "start"
         self.held = ""
         self.block = ""  # the tag and list read so far: content after all if the list holds no call
@@ -44,26 +47,26 @@ class PythonicParser(ToolCallStream):
 
     def _start(self, content: list[str], deltas: list[dict]) -> bool:
         text = self.held.lstrip()
-        if not text or any(len(text) < len(tag) and tag.startswith(text) for tag in END_TAGS):
+        if not text or any(len(text) < len(tag) and tag.startswith(text) for tag in WRAPPERS):
             return False
         if text.startswith("["):
             self._begin_list(self.held.index("["))
             return True
-        for tag in END_TAGS:
+        for tag in WRAPPERS:
             if text.startswith(tag):
-                self._begin_block(self.held.index(tag), tag)
+                self._begin_block(self.held.index(tag), tag, keep_from=0)  # the whitespace before it too
                 return True
         self.mode = "content"
         return True
 
     def _content(self, content: list[str], deltas: list[dict]) -> bool:
-        found = [(self.held.find(tag), tag) for tag in END_TAGS if tag in self.held]
+        found = [(self.held.find(tag), tag) for tag in WRAPPERS if tag in self.held]
         if found:
             at, tag = min(found)
             content.append(self.held[:at])
             self._begin_block(at, tag)
             return True
-        keep = max(partial_suffix(self.held, tag) for tag in END_TAGS)
+        keep = max(partial_suffix(self.held, tag) for tag in WRAPPERS)
         content.append(self.held[:len(self.held) - keep])
         self.held = self.held[len(self.held) - keep:]
         return False
@@ -87,10 +90,11 @@ class PythonicParser(ToolCallStream):
             return False
         self.block += self.held[:end]
         self.held = self.held[end:]
-        if self.num_calls == self.block_calls:  # a list of no call, as "[1]": text
+        called = self.num_calls > self.block_calls
+        if not called:  # a list of no call, as "[1]": text, its end tag too
             content.append(self.block)
         self.block = ""
-        self.mode = "close" if self.end_tag else "content"
+        self.mode = "close" if self.end_tag and called else "content"
         return True
 
     def _close(self, content: list[str], deltas: list[dict]) -> bool:
@@ -102,11 +106,11 @@ class PythonicParser(ToolCallStream):
         self.end_tag, self.mode = None, "content"
         return True
 
-    def _begin_block(self, at: int, tag: str) -> None:
-        self.block = self.held[at:at + len(tag)]
+    def _begin_block(self, at: int, tag: str, keep_from: int | None = None) -> None:
+        self.block = self.held[at if keep_from is None else keep_from:at + len(tag)]
         self.held = self.held[at + len(tag):]
         self.block_calls = self.num_calls
-        self.end_tag, self.mode = END_TAGS[tag], "open"
+        self.end_tag, self.mode = WRAPPERS[tag], "open"
 
     def _begin_list(self, at: int, keep_block: bool = False) -> None:
         if not keep_block:
@@ -139,9 +143,9 @@ class PythonicParser(ToolCallStream):
                 self.argument_start = i + 1
             elif char in ")]}":
                 self.depth -= 1
-                if self.depth == 1 and char == ")" and self.call is not None:
+                if self.depth < 2 and self.call is not None:  # its ")", or a bracket that closes it anyway
                     self._close_call(text[self.argument_start:i], deltas)
-                elif self.depth == 0:
+                if self.depth == 0:
                     return i + 1
         self.scanned = len(text)
         return None
@@ -153,6 +157,8 @@ class PythonicParser(ToolCallStream):
             start -= 1
         name = text[start:paren]
         if not name or not all(part.isidentifier() for part in name.split(".")):
+            return
+        if self.names is not None and name not in self.names:
             return
         if not text[:start].rstrip().endswith(("[", ",")):
             return
@@ -173,7 +179,7 @@ class PythonicParser(ToolCallStream):
         self.call = None
 
     def finish(self) -> tuple[str, list[dict]]:
-        if self.mode in ("list", "open") and self.num_calls > self.block_calls:
+        if self.mode == "list" and self.num_calls > self.block_calls:
             deltas: list[dict] = []
             if self.call is not None:  # cut off inside a call: its arguments so far, as a whole object
                 self._close_call(self.held[self.argument_start:], deltas)
