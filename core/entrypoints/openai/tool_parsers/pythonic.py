@@ -27,7 +27,7 @@ class PythonicParser(ToolCallStream):
         self.mode = "start"
         self.held = ""
         self.block = ""  # the tag and list read so far: content after all if the list holds no call
-        self.block_calls = 0  # num_calls when the block began
+        self.block_calls = 0  # num_calls when the block's list began
         self.end_tag: str | None = None
         self.scanned = 0  # held[:scanned] of the list has been read
         self.depth = 0
@@ -50,11 +50,11 @@ class PythonicParser(ToolCallStream):
         if not text or any(len(text) < len(tag) and tag.startswith(text) for tag in WRAPPERS):
             return False
         if text.startswith("["):
-            self._begin_list(self.held.index("["))
+            self._begin_list()
             return True
         for tag in WRAPPERS:
             if text.startswith(tag):
-                self._begin_block(self.held.index(tag), tag, keep_from=0)  # the whitespace before it too
+                self._begin_block(tag)  # the whitespace before it too
                 return True
         self.mode = "content"
         return True
@@ -64,7 +64,8 @@ class PythonicParser(ToolCallStream):
         if found:
             at, tag = min(found)
             content.append(self.held[:at])
-            self._begin_block(at, tag)
+            self.held = self.held[at:]
+            self._begin_block(tag)
             return True
         keep = max(partial_suffix(self.held, tag) for tag in WRAPPERS)
         content.append(self.held[:len(self.held) - keep])
@@ -76,9 +77,7 @@ class PythonicParser(ToolCallStream):
         if not text:
             return False
         if text.startswith("["):
-            self.block += self.held[:self.held.index("[")]
-            self.held = self.held[self.held.index("["):]
-            self._begin_list(0, keep_block=True)
+            self._begin_list()
         else:  # a tag that opens no list: text
             content.append(self.block)
             self.block, self.end_tag, self.mode = "", None, "content"
@@ -90,11 +89,11 @@ class PythonicParser(ToolCallStream):
             return False
         self.block += self.held[:end]
         self.held = self.held[end:]
-        called = self.num_calls > self.block_calls
-        if not called:  # a list of no call, as "[1]": text, its end tag too
+        if self.num_calls == self.block_calls:  # a list of no call, as "[1]": text, its end tag too
             content.append(self.block)
+            self.end_tag = None
         self.block = ""
-        self.mode = "close" if self.end_tag and called else "content"
+        self.mode = "close" if self.end_tag else "content"
         return True
 
     def _close(self, content: list[str], deltas: list[dict]) -> bool:
@@ -106,16 +105,17 @@ class PythonicParser(ToolCallStream):
         self.end_tag, self.mode = None, "content"
         return True
 
-    def _begin_block(self, at: int, tag: str, keep_from: int | None = None) -> None:
-        self.block = self.held[at if keep_from is None else keep_from:at + len(tag)]
-        self.held = self.held[at + len(tag):]
-        self.block_calls = self.num_calls
+    def _begin_block(self, tag: str) -> None:
+        """The held text up to and with its first ``tag`` becomes the block; the list is looked for after it."""
+        end = self.held.index(tag) + len(tag)
+        self.block, self.held = self.held[:end], self.held[end:]
         self.end_tag, self.mode = WRAPPERS[tag], "open"
 
-    def _begin_list(self, at: int, keep_block: bool = False) -> None:
-        if not keep_block:
-            self.block, self.block_calls, self.end_tag = self.held[:at], self.num_calls, None
-        self.held = self.held[at:]
+    def _begin_list(self) -> None:
+        """The held text before its ``[`` joins the block; the list is read from there."""
+        at = self.held.index("[")
+        self.block, self.held = self.block + self.held[:at], self.held[at:]
+        self.block_calls = self.num_calls
         self.mode, self.scanned, self.depth, self.quote, self.escaped, self.call = "list", 0, 0, None, False, None
 
     def _scan(self, deltas: list[dict]) -> int | None:
