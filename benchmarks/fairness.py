@@ -29,6 +29,7 @@ from rates import print_summary
 SMALL_PROMPT = "The capital of France is"
 HUGE_BODY_BYTES = 9 * 1024 * 1024  # the size one probe of issue 40 sent four times
 LEAD_SECONDS = 0.02  # between sending the heavy request and the small one: the heavy one is on its way
+PACER_WARMUP_TOKENS = 6  # pacer tokens seen before a probe: five gaps give its median step on a slow box too
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class Pacer:
     def __init__(self, http: httpx.AsyncClient, model: str, max_tokens: int) -> None:
         self.http, self.model, self.max_tokens = http, model, max_tokens
         self.token_times: list[float] = []
-        self.started = asyncio.Event()
+        self.warmed_up = asyncio.Event()
 
     async def run(self) -> None:
         body = {"model": self.model, "prompt": "a", "max_tokens": self.max_tokens, "ignore_eos": True,
@@ -57,7 +58,8 @@ class Pacer:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     self.token_times.append(time.monotonic())
-                    self.started.set()
+                    if len(self.token_times) >= PACER_WARMUP_TOKENS:
+                        self.warmed_up.set()
 
     def steps_between(self, start: float, end: float) -> int:
         return sum(start < t <= end for t in self.token_times)
@@ -98,8 +100,7 @@ def heavy_requests(model: str, max_model_len: int, max_prompts: int, choices: in
 async def probe_kind(http: httpx.AsyncClient, model: str, kind: str, heavy: dict | None, max_tokens: int) -> Probe:
     pacer = Pacer(http, model, max_tokens)
     pacer_task = asyncio.create_task(pacer.run())
-    await asyncio.wait_for(pacer.started.wait(), 60)
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(pacer.warmed_up.wait(), 120)
     step = pacer.median_step()
     heavy_done: list[float] = []
     heavy_task = None
