@@ -1,7 +1,8 @@
 """LoRA adapters on the cpu backend against transformers + peft, greedy in float32: each adapter alone and in a batch
 mixed with other adapters and the base model, on a tiny Llama (fused q/k/v and gate/up: adapters add to their
 slices), a tiny Qwen2 (separate projections with biases) and SmolLM2; under prefix caching, an adapter never reads
-the base model's blocks; max_loras holds back a third adapter; what cannot be served is refused by name."""
+the base model's blocks; max_loras holds back a third adapter; what cannot be served is refused by name; in bf16
+(A and B in bf16 too) each adapter stays close to float32."""
 
 from __future__ import annotations
 
@@ -39,6 +40,25 @@ def test_adapters_mixed_in_a_batch_with_the_base_model_equal_peft(case):
         alone = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras[name])
         assert [o.outputs[0].token_ids for o in alone] == expected[name]
     llm.shutdown()
+
+
+def test_bf16_adapters_agree_with_float32(case):
+    """A bf16 model keeps its adapters' A and B in bf16 (the kernel reads half the bytes): each adapter's prompt
+    logprobs stay close to float32's, much closer than to the base model's."""
+    model, loras, _ = case
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    requests = [loras["a"], loras["b"], None]
+    scores = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(model), dtype=dtype, enable_lora=True, max_loras=2, kv_cache_space=0.02)
+        outs = llm.generate([PROMPTS[2]] * 3, params, use_tqdm=False, lora_request=requests)
+        scores[dtype] = [[entry[token].logprob for entry, token in zip(o.prompt_logprobs[1:], PROMPTS[2][1:])]
+                         for o in outs]
+        llm.shutdown()
+    for adapter in range(2):  # a, b; the third is the base model
+        exact, rounded, base = scores["float32"][adapter], scores["bfloat16"][adapter], scores["float32"][2]
+        bf16_error = sum(abs(x - y) for x, y in zip(exact, rounded))
+        assert bf16_error < 0.2 * sum(abs(x - y) for x, y in zip(exact, base)), (exact, rounded, base)
 
 
 def test_max_loras_runs_a_third_adapter_after_the_others(case, tmp_path):

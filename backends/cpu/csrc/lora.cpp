@@ -34,8 +34,8 @@ void load_rows(const T* x, int64_t in, const int64_t* rows, int64_t count, float
 
 #if defined(PAGEDLLM_VEC)
 // t[:, c:c + NV * kLanes] = xt @ a[:, c:c + NV * kLanes] (a: [in, rank]; t: [kTileRows, rank]).
-template <int NV>
-void shrink_block(const float* xt, int64_t in, const float* a, int64_t rank, int64_t c, float* t) {
+template <int NV, typename W>
+void shrink_block(const float* xt, int64_t in, const W* a, int64_t rank, int64_t c, float* t) {
   Vec acc[kTileRows][NV];
   for (int64_t r = 0; r < kTileRows; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec::zero();
@@ -52,8 +52,8 @@ void shrink_block(const float* xt, int64_t in, const float* a, int64_t rank, int
 }
 
 // out[rows[r]][c:c + NV * kLanes] += t[r][r0:r1] @ b[r0:r1, c:c + NV * kLanes] (b: [rank, n]).
-template <int NV, typename T>
-void expand_block(const float* t, int64_t rank, int64_t count, const float* b, int64_t n, int64_t c, int64_t r0,
+template <int NV, typename W, typename T>
+void expand_block(const float* t, int64_t rank, int64_t count, const W* b, int64_t n, int64_t c, int64_t r0,
                   int64_t r1, T* out, const int64_t* rows) {
   Vec acc[kTileRows][NV];
   for (int64_t r = 0; r < kTileRows; ++r)
@@ -74,7 +74,8 @@ void expand_block(const float* t, int64_t rank, int64_t count, const float* b, i
 #endif
 
 // t = xt @ a for the whole tile: two vectors of columns at a time, then one, then the rest one by one.
-void shrink(const float* xt, int64_t in, const float* a, int64_t rank, float* t) {
+template <typename W>
+void shrink(const float* xt, int64_t in, const W* a, int64_t rank, float* t) {
   int64_t c = 0;
 #if defined(PAGEDLLM_VEC)
   for (; c + 2 * kLanes <= rank; c += 2 * kLanes) shrink_block<2>(xt, in, a, rank, c, t);
@@ -83,15 +84,15 @@ void shrink(const float* xt, int64_t in, const float* a, int64_t rank, float* t)
   for (; c < rank; ++c) {
     for (int64_t r = 0; r < kTileRows; ++r) {
       float sum = 0.f;
-      for (int64_t k = 0; k < in; ++k) sum += xt[r * in + k] * a[k * rank + c];
+      for (int64_t k = 0; k < in; ++k) sum += xt[r * in + k] * static_cast<float>(a[k * rank + c]);
       t[r * rank + c] = sum;
     }
   }
 }
 
 // out[rows[r]][c0:c1] += t[r][r0:r1] @ b[r0:r1, c0:c1] for the tile's count rows.
-template <typename T>
-void expand(const float* t, int64_t rank, int64_t count, const float* b, int64_t n, int64_t c0, int64_t c1,
+template <typename W, typename T>
+void expand(const float* t, int64_t rank, int64_t count, const W* b, int64_t n, int64_t c0, int64_t c1,
             int64_t r0, int64_t r1, T* out, const int64_t* rows) {
   int64_t c = c0;
 #if defined(PAGEDLLM_VEC)
@@ -101,7 +102,7 @@ void expand(const float* t, int64_t rank, int64_t count, const float* b, int64_t
   for (; c < c1; ++c) {
     for (int64_t r = 0; r < count; ++r) {
       float sum = 0.f;
-      for (int64_t j = r0; j < r1; ++j) sum += t[r * rank + j] * b[j * n + c];
+      for (int64_t j = r0; j < r1; ++j) sum += t[r * rank + j] * static_cast<float>(b[j * n + c]);
       T* o = out + rows[r] * n + c;
       *o = static_cast<T>(static_cast<float>(*o) + sum);
     }
@@ -111,7 +112,8 @@ void expand(const float* t, int64_t rank, int64_t count, const float* b, int64_t
 }  // namespace
 
 // out [rows, n] += (x[row] @ a[slot]) @ b[slot] for each group's rows, in place.
-// x [rows, in] and out: float32 or bf16, the same type; a: float32 [slots, in, rank]; b: float32 [slots, rank, n],
+// x [rows, in] and out: float32 or bf16, the same type; a [slots, in, rank] and b [slots, rank, n]: both float32 or
+// both bf16 (a bf16 model's: half the bytes to read, summed in float32 all the same),
 // each adapter's scale folded in; parts: int64 [slots, P, 4] = (first column, end column, first rank, end rank) of
 // each part of a fused projection (empty ranges for parts an adapter leaves out); row_index: int64 rows grouped by
 // adapter; groups: int64 [groups, 3] = (offset in row_index, rows, slot).
@@ -120,8 +122,9 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && x.dim() == 2 && x.is_contiguous() && x.size(0) == out.size(0),
               "lora_add: out and x must be contiguous [rows, features] of the same rows");
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "lora_add: out and x must have one type");
-  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() && b.is_contiguous(),
-              "lora_add: a and b must be contiguous float32 stacks");
+  TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+              a.scalar_type() == b.scalar_type() && a.is_contiguous() && b.is_contiguous(),
+              "lora_add: a and b must be contiguous stacks, both float32 or both bf16");
   TORCH_CHECK(parts.scalar_type() == at::kLong && row_index.scalar_type() == at::kLong &&
               groups.scalar_type() == at::kLong && parts.is_contiguous() && groups.is_contiguous() &&
               row_index.is_contiguous(), "lora_add: parts, row_index and groups must be contiguous int64");
@@ -154,10 +157,8 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
     TORCH_CHECK(0 <= p[0] && p[0] <= p[1] && p[1] <= n && 0 <= p[2] && p[2] <= p[3] && p[3] <= rank,
                 "lora_add: part ", i, " is out of range");
   }
-  const float* a_data = a.data_ptr<float>();
-  const float* b_data = b.data_ptr<float>();
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) / 3;
-  const auto run = [&](const auto* x_data, auto* out_data) {
+  const auto run = [&](const auto* x_data, auto* out_data, const auto* a_data, const auto* b_data) {
     at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> xt(kTileRows * in), t(kTileRows * rank);
       for (int64_t i = begin; i < end; ++i) {
@@ -176,10 +177,17 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
       }
     });
   };
+  const auto with_weights = [&](const auto* x_data, auto* out_data) {
+    if (a.scalar_type() == at::kFloat) {
+      run(x_data, out_data, a.data_ptr<float>(), b.data_ptr<float>());
+    } else {
+      run(x_data, out_data, a.data_ptr<at::BFloat16>(), b.data_ptr<at::BFloat16>());
+    }
+  };
   if (x.scalar_type() == at::kFloat) {
-    run(x.data_ptr<float>(), out.data_ptr<float>());
+    with_weights(x.data_ptr<float>(), out.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_add: float32 or bf16 rows, not ", x.scalar_type());
-    run(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+    with_weights(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   }
 }

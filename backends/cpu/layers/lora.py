@@ -102,9 +102,12 @@ class LoRALinear(torch.nn.Module):
                 b_stack[slot, column:column + a.shape[0], start:end] = b.t() * scale
                 self._parts[slot, index] = torch.tensor([start, end, column, column + a.shape[0]])
                 column += a.shape[0]
-        # float32 for the kernel and for the torch path's steps of few rows (torch's small bf16 GEMMs are slow on
-        # CPUs); the model's dtype, made when first needed, for the torch path's large steps
+        # float32 for the torch path's steps of few rows (torch's small bf16 GEMMs are slow on CPUs) and a float32
+        # model's kernel; in a bf16 model the kernel reads bf16 stacks, half the bytes (it sums in float32 either
+        # way). The model's dtype is made when first needed otherwise (the torch path's large steps).
         self._stacks = {torch.float32: (a_stack, b_stack)}
+        if dtype == torch.bfloat16 and self.step.kernels is not None:
+            self._stacks[dtype] = (a_stack.to(dtype), b_stack.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base.forward(x)
@@ -113,7 +116,7 @@ class LoRALinear(torch.nn.Module):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if step.kernels is not None and flat_x.dtype == flat_out.dtype:
-            a, b = self._stacks[torch.float32]
+            a, b = self._stacks.get(flat_x.dtype, self._stacks[torch.float32])
             step.kernels.lora_add(flat_out, flat_x.contiguous(), a, b, self._parts, step.rows, step.groups)
             return out
         groups, longest = step.shape
