@@ -102,12 +102,11 @@ class LoRALinear(torch.nn.Module):
                 b_stack[slot, column:column + a.shape[0], start:end] = b.t() * scale
                 self._parts[slot, index] = torch.tensor([start, end, column, column + a.shape[0]])
                 column += a.shape[0]
-        # float32 for the torch path's steps of few rows (torch's small bf16 GEMMs are slow on CPUs) and a float32
-        # model's kernel; in a bf16 model the kernel reads bf16 stacks, half the bytes (it sums in float32 either
-        # way). The model's dtype is made when first needed otherwise (the torch path's large steps).
-        self._stacks = {torch.float32: (a_stack, b_stack)}
-        if dtype == torch.bfloat16 and self.step.kernels is not None:
-            self._stacks[dtype] = (a_stack.to(dtype), b_stack.to(dtype))
+        # The kernel of a bf16 model reads them in bf16, half the bytes (it sums in float32 either way), and keeps
+        # only those. Otherwise float32: a float32 model's kernel, and the torch path's steps of few rows (torch's
+        # small bf16 GEMMs are slow on CPUs); the torch path makes the model's dtype when first needed (large steps).
+        keep = torch.bfloat16 if dtype == torch.bfloat16 and self.step.kernels is not None else torch.float32
+        self._stacks = {keep: (a_stack.to(keep), b_stack.to(keep))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base.forward(x)
@@ -116,13 +115,13 @@ class LoRALinear(torch.nn.Module):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if step.kernels is not None and flat_x.dtype == flat_out.dtype:
-            a, b = self._stacks.get(flat_x.dtype, self._stacks[torch.float32])
+            a, b = next(iter(self._stacks.values()))  # the kernel takes either dtype with either rows
             step.kernels.lora_add(flat_out, flat_x.contiguous(), a, b, self._parts, step.rows, step.groups)
             return out
         groups, longest = step.shape
         dtype = torch.float32 if groups * longest <= FLOAT32_ROWS else x.dtype
         if dtype not in self._stacks:
-            self._stacks[dtype] = tuple(t.to(dtype) for t in self._stacks[torch.float32])
+            self._stacks[dtype] = tuple(t.to(dtype) for t in next(iter(self._stacks.values())))
         a, b = self._stacks[dtype]
         if step.slot_index is not None:
             a, b = a.index_select(0, step.slot_index), b.index_select(0, step.slot_index)
