@@ -50,9 +50,13 @@ class QuantizedWeight:
         return u * scales + offsets
 
     def rows(self, index: slice | torch.Tensor) -> QuantizedWeight:
-        """The given output rows (a tensor-parallel rank's share, or a permutation)."""
-        return dataclasses.replace(self, values=self.values[index].contiguous(), scales=self.scales[index].contiguous(),
-                                   offsets=self.offsets[index].contiguous())
+        """The given output rows (a tensor-parallel rank's share, or a permutation), in tensors of their own: a
+        rank's share held as a view would keep the whole weight's storage alive."""
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            part = tensor[index]
+            return part.clone() if part._is_view() else part.contiguous()
+
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales), offsets=take(self.offsets))
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
         """Inputs start..end (whole chunks and groups: a row-parallel rank's share)."""

@@ -18,6 +18,7 @@ import torch
 from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
 from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.backends.cpu.runner.sharding import Rank, VocabParallelEmbedding, vocab_slice
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
@@ -25,10 +26,12 @@ logger = logging.getLogger("pagedllm.cpu")
 
 
 def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_implementation: str,
-                    embedding_from_head: bool = False):
+                    embedding_from_head: bool = False, rank: Rank | None = None):
     """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
     generation config) of ``config_dir``. With ``embedding_from_head``, a plain token embedding tied to a quantized
-    head is left on the meta device, for quantized_embedding.embed_from_head to look up in the head's panels."""
+    head is left on the meta device, for quantized_embedding.embed_from_head to look up in the head's panels. A
+    tensor-parallel ``rank`` dequantizes only its own rows of the token embedding (sharding.VocabParallelEmbedding):
+    the whole table in float32 is the largest thing a rank would otherwise hold on the way up."""
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -44,6 +47,9 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False) and head_name is not None
     quantized, dense_types = {}, collections.Counter()
     lookup_in_head = embedding_from_head and type(model.get_input_embeddings()) is torch.nn.Embedding
+    vocab_rows = vocab_slice(config.get_text_config().vocab_size, rank)[:2] if rank is not None else None
+    embedding_name = next(name for name, param in model.named_parameters()
+                          if param is model.get_input_embeddings().weight)
     for tensor in reader.tensors:
         hf_name = to_hf.get(tensor.name)
         if hf_name is None:
@@ -58,6 +64,12 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
             if linear is head and tied and name != hf_name:
                 continue  # the head shares the embedding's dense rows (tie_weights below)
             if name == hf_name and len(names) > 1 and head_name in quantized and lookup_in_head:
+                continue
+            if name == embedding_name and vocab_rows is not None and not (tied and head_name not in quantized):
+                start, end = vocab_rows  # a head tied to it as dense rows would need the whole table: not here
+                rows = dequantize(tensor.data[start:end], tensor.tensor_type)
+                model.get_decoder().embed_tokens = VocabParallelEmbedding(
+                    torch.from_numpy(np.ascontiguousarray(rows)).to(dtype), start, end, rank)
                 continue
             values = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
             # float tensors come back as views of the read-only mapped file: copied as they become the dtype

@@ -100,10 +100,10 @@ class VocabParallelEmbedding(torch.nn.Module):
     """This rank's rows of the embedding; tokens of other ranks' rows look up zeros, and the sum over the ranks is
     the full lookup."""
 
-    def __init__(self, embedding: torch.nn.Embedding, start: int, end: int, rank: Rank) -> None:
+    def __init__(self, rows: torch.Tensor, start: int, end: int, rank: Rank) -> None:
         super().__init__()
         self.start, self.end, self.group = start, end, rank.group
-        self.weight = torch.nn.Parameter(embedding.weight.detach()[start:end].clone(), requires_grad=False)
+        self.weight = torch.nn.Parameter(rows, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
@@ -167,12 +167,19 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
         mlp.down_proj = RowParallel(mlp.down_proj, rank)
         drop_checkpoint_pages(checkpoint)
     vocab = model.config.get_text_config().vocab_size
-    chunk = cdiv(vocab, rank.world_size)
-    start = rank.rank * chunk
+    start, end, chunk = vocab_slice(vocab, rank)
     embedding, head = decoder.embed_tokens, model.lm_head  # a tied head is the embedding's weight: read it first
     model.lm_head = VocabParallelHead(head, start, chunk, vocab, rank)
-    decoder.embed_tokens = VocabParallelEmbedding(embedding, start, min(start + chunk, vocab), rank)
+    if not isinstance(embedding, VocabParallelEmbedding):  # a GGUF file's is sharded as it is read
+        decoder.embed_tokens = VocabParallelEmbedding(embedding.weight.detach()[start:end].clone(), start, end, rank)
     drop_checkpoint_pages(checkpoint)
+
+
+def vocab_slice(vocab: int, rank: Rank) -> tuple[int, int, int]:
+    """(first, end) of this rank's rows of the vocabulary, and the rows of every rank's slice (the last one short)."""
+    chunk = cdiv(vocab, rank.world_size)
+    start = rank.rank * chunk
+    return start, min(start + chunk, vocab), chunk
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
