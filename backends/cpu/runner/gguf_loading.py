@@ -47,9 +47,11 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False) and head_name is not None
     quantized, dense_types = {}, collections.Counter()
     lookup_in_head = embedding_from_head and type(model.get_input_embeddings()) is torch.nn.Embedding
-    vocab_rows = vocab_slice(config.get_text_config().vocab_size, rank)[:2] if rank is not None else None
-    embedding_name = next(name for name, param in model.named_parameters()
-                          if param is model.get_input_embeddings().weight)
+    vocab_rows = embedding_name = None
+    if rank is not None:
+        vocab_rows = vocab_slice(config.get_text_config().vocab_size, rank)[:2]
+        embedding_name = next((name for name, param in model.named_parameters()
+                               if param is model.get_input_embeddings().weight), None)
     for tensor in reader.tensors:
         hf_name = to_hf.get(tensor.name)
         if hf_name is None:
@@ -65,7 +67,7 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                 continue  # the head shares the embedding's dense rows (tie_weights below)
             if name == hf_name and len(names) > 1 and head_name in quantized and lookup_in_head:
                 continue
-            if name == embedding_name and vocab_rows is not None and not (tied and head_name not in quantized):
+            if name == embedding_name and not (tied and head_name not in quantized):
                 start, end = vocab_rows  # a head tied to it as dense rows would need the whole table: not here
                 rows = dequantize(tensor.data[start:end], tensor.tensor_type)
                 model.get_decoder().embed_tokens = VocabParallelEmbedding(
