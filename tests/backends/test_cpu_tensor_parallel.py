@@ -215,23 +215,29 @@ def test_smollm2_three_ranks_equal_transformers(smollm2):
         llm.shutdown()
 
 
-def test_a_rank_reads_only_its_rows_of_a_gguf_embedding_and_owns_its_shares(smollm2):
-    """SmolLM2's GGUF at two ranks: rank 1's token embedding is its half of the vocabulary as the whole table has it,
-    dequantized alone (the whole table in float32 is what a rank would otherwise hold on the way up); a share of a
-    quantized weight's rows is a copy, not a view that keeps the whole weight alive."""
+def test_a_rank_reads_a_gguf_file_a_layer_and_its_vocabulary_rows_at_a_time(smollm2):
+    """SmolLM2's GGUF at two ranks: each decoder layer is sharded as soon as its tensors are read (a rank never holds
+    every layer whole), its shares are copies (a view would keep the whole weight alive), and the token embedding is
+    this rank's half of the vocabulary as the whole table has it, dequantized alone."""
     import torch
 
     from pagedllm.backends.cpu.layers.quantized_linear import quantized_weight
     from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
-    from pagedllm.backends.cpu.runner.sharding import Rank, VocabParallelEmbedding, column_parallel
+    from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelEmbedding
 
     whole, _ = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa")
-    model, _ = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa", rank=Rank(1, 2))
+    model, weights = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa", rank=Rank(1, 2))
     embedding, table = model.get_decoder().embed_tokens, whole.get_input_embeddings().weight
     assert isinstance(embedding, VocabParallelEmbedding) and (embedding.start, embedding.end) == (24576, 49152)
     assert torch.equal(embedding.weight, table[24576:49152])
-    share = quantized_weight(column_parallel(model.get_decoder().layers[0].mlp.gate_proj, Rank(1, 2)))
-    assert all(t.untyped_storage().nbytes() == t.nbytes for t in (share.values, share.scales, share.offsets))
+    for layer, full in zip(model.get_decoder().layers, whole.get_decoder().layers):
+        assert isinstance(layer.self_attn.o_proj, RowParallel) and isinstance(layer.mlp.down_proj, RowParallel)
+        share, gate = quantized_weight(layer.mlp.gate_proj), quantized_weight(full.mlp.gate_proj)
+        assert share.values.shape[0] * 2 == gate.values.shape[0]
+        assert torch.equal(share.values, gate.values[gate.values.shape[0] // 2:])
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in (share.values, share.scales, share.offsets))
+    assert weights["model.layers.0.self_attn.o_proj.linear"] is quantized_weight(
+        model.get_decoder().layers[0].self_attn.o_proj.linear)  # the log counts the shares
 
 
 def test_ranks_on_one_machine_meet_through_a_file_and_loopback():

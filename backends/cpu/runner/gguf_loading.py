@@ -17,8 +17,8 @@ import torch
 
 from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
-from pagedllm.backends.cpu.layers.quantized_linear import attach
-from pagedllm.backends.cpu.runner.sharding import Rank, VocabParallelEmbedding, vocab_slice
+from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
+from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelEmbedding, shard_layer, vocab_slice
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
@@ -52,6 +52,7 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
         vocab_rows = vocab_slice(config.get_text_config().vocab_size, rank)[:2]
         embedding_name = next((name for name, param in model.named_parameters()
                                if param is model.get_input_embeddings().weight), None)
+    layer_shards = _LayerShards(model, rank) if rank is not None else None
     for tensor in reader.tensors:
         hf_name = to_hf.get(tensor.name)
         if hf_name is None:
@@ -62,6 +63,8 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
             linear = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file)) is not None:
                 quantized[name.removesuffix(".weight")] = weight
+                if layer_shards is not None:
+                    layer_shards.loaded(name, quantized, linears)
                 continue
             if linear is head and tied and name != hf_name:
                 continue  # the head shares the embedding's dense rows (tie_weights below)
@@ -79,11 +82,14 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                         else torch.from_numpy(np.ascontiguousarray(values)).to(dtype))
             if linear is not None:
                 dense_types[tensor.tensor_type.name] += 1
+            if layer_shards is not None:
+                layer_shards.loaded(name, quantized, linears)
         # read: the file's pages would otherwise stay in this process's resident memory until the whole file was
         # read, beside everything made of them
         drop_mapped_pages(tensor.data)
     for name, weight in quantized.items():
-        attach(linears[name], weight)
+        if name in linears:  # not a layer _LayerShards sharded (it attached theirs)
+            attach(linears[name], weight)
     if tied and head_name not in quantized:
         head.weight = model.get_input_embeddings().weight
     # left for the head's panels (embed_from_head)
@@ -99,6 +105,54 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                     ", ".join(f"{n} {kind}" for kind, n in sorted(dense_types.items())))
     model.generation_config = _generation_config(config_dir, model.generation_config)
     return model.eval(), quantized
+
+
+class _LayerShards:
+    """A tensor-parallel rank's decoder layers sharded as soon as the file has given all their projections' tensors
+    (GGUF files hold them layer by layer), so that a rank never holds every layer whole. The quantized weights of a
+    sharded layer are replaced by its shards in ``quantized`` (the names of row-parallel ones gain ``.linear``)."""
+
+    _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+    def __init__(self, model: torch.nn.Module, rank: Rank) -> None:
+        decoder = model.get_decoder()
+        prefix = next(name for name, module in model.named_modules() if module is decoder)
+        self.rank, self.layers = rank, decoder.layers
+        self.pending: dict[int, set[str]] = {}
+        self.layer_of: dict[str, int] = {}
+        for index, layer in enumerate(decoder.layers):
+            for part, names in self._PROJECTIONS.items():
+                for projection in names:
+                    linear = getattr(getattr(layer, part), projection)
+                    for param_name, _ in linear.named_parameters():
+                        name = f"{prefix}.layers.{index}.{part}.{projection}.{param_name}"
+                        self.pending.setdefault(index, set()).add(name)
+                        self.layer_of[name] = index
+
+    def loaded(self, name: str, quantized: dict, linears: dict) -> None:
+        """``name``'s tensor is in; when it was its layer's last, shard the layer (its whole linears leave
+        ``linears`` too, so that nothing keeps them)."""
+        index = self.layer_of.get(name)
+        if index is None:
+            return
+        self.pending[index].discard(name)
+        if self.pending[index]:
+            return
+        layer, prefix = self.layers[index], name.split(f".layers.{index}.")[0] + f".layers.{index}"
+        for part, names in self._PROJECTIONS.items():
+            for projection in names:
+                full = f"{prefix}.{part}.{projection}"
+                if full in quantized:
+                    attach(getattr(getattr(layer, part), projection), quantized.pop(full))
+                linears.pop(full, None)
+        shard_layer(layer, self.rank)
+        for part, names in self._PROJECTIONS.items():
+            for projection in names:
+                module = getattr(getattr(layer, part), projection)
+                linear = module.linear if isinstance(module, RowParallel) else module
+                if (weight := quantized_weight(linear)) is not None:
+                    suffix = ".linear" if linear is not module else ""
+                    quantized[f"{prefix}.{part}.{projection}{suffix}"] = weight
 
 
 def _name_mapping(reader, model):

@@ -158,14 +158,9 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
     checkpoint = checkpoint_mappings()
     decoder = model.get_decoder()
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, column_parallel(getattr(attn, name), rank))
-        attn.o_proj = RowParallel(attn.o_proj, rank)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, column_parallel(getattr(mlp, name), rank))
-        mlp.down_proj = RowParallel(mlp.down_proj, rank)
-        drop_checkpoint_pages(checkpoint)
+        if not isinstance(layer.self_attn.o_proj, RowParallel):  # a GGUF file's layers are sharded as they are read
+            shard_layer(layer, rank)
+            drop_checkpoint_pages(checkpoint)
     vocab = model.config.get_text_config().vocab_size
     start, end, chunk = vocab_slice(vocab, rank)
     embedding, head = decoder.embed_tokens, model.lm_head  # a tied head is the embedding's weight: read it first
@@ -173,6 +168,17 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
     if not isinstance(embedding, VocabParallelEmbedding):  # a GGUF file's is sharded as it is read
         decoder.embed_tokens = VocabParallelEmbedding(embedding.weight.detach()[start:end].clone(), start, end, rank)
     drop_checkpoint_pages(checkpoint)
+
+
+def shard_layer(layer: torch.nn.Module, rank: Rank) -> None:
+    """One decoder layer's projections replaced by this rank's shards."""
+    attn, mlp = layer.self_attn, layer.mlp
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, column_parallel(getattr(attn, name), rank))
+    attn.o_proj = RowParallel(attn.o_proj, rank)
+    for name in ("gate_proj", "up_proj"):
+        setattr(mlp, name, column_parallel(getattr(mlp, name), rank))
+    mlp.down_proj = RowParallel(mlp.down_proj, rank)
 
 
 def vocab_slice(vocab: int, rank: Rank) -> tuple[int, int, int]:
