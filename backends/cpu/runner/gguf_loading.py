@@ -18,7 +18,8 @@ import torch
 from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
 from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
-from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelEmbedding, shard_layer, vocab_slice
+from pagedllm.backends.cpu.runner.sharding import (LAYER_PROJECTIONS, Rank, RowParallel, VocabParallelEmbedding,
+                                                   shard_layer, vocab_slice)
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
@@ -112,22 +113,23 @@ class _LayerShards:
     (GGUF files hold them layer by layer), so that a rank never holds every layer whole. The quantized weights of a
     sharded layer are replaced by its shards in ``quantized`` (the names of row-parallel ones gain ``.linear``)."""
 
-    _PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-
     def __init__(self, model: torch.nn.Module, rank: Rank) -> None:
         decoder = model.get_decoder()
-        prefix = next(name for name, module in model.named_modules() if module is decoder)
+        self.prefix = next(name for name, module in model.named_modules() if module is decoder) + ".layers"
         self.rank, self.layers = rank, decoder.layers
-        self.pending: dict[int, set[str]] = {}
+        self.pending: dict[int, set[str]] = {}  # per layer, its projections' parameters the file has not given yet
         self.layer_of: dict[str, int] = {}
         for index, layer in enumerate(decoder.layers):
-            for part, names in self._PROJECTIONS.items():
-                for projection in names:
-                    linear = getattr(getattr(layer, part), projection)
-                    for param_name, _ in linear.named_parameters():
-                        name = f"{prefix}.layers.{index}.{part}.{projection}.{param_name}"
-                        self.pending.setdefault(index, set()).add(name)
-                        self.layer_of[name] = index
+            for name, linear in self._projections(index, layer):
+                for param_name, _ in linear.named_parameters():
+                    self.pending.setdefault(index, set()).add(f"{name}.{param_name}")
+                    self.layer_of[f"{name}.{param_name}"] = index
+
+    def _projections(self, index: int, layer: torch.nn.Module):
+        """(name, module) of the layer's projections, as they are now (whole or shards)."""
+        for part, (column_names, row_name) in LAYER_PROJECTIONS.items():
+            for projection in (*column_names, row_name):
+                yield f"{self.prefix}.{index}.{part}.{projection}", getattr(getattr(layer, part), projection)
 
     def loaded(self, name: str, quantized: dict, linears: dict) -> None:
         """``name``'s tensor is in; when it was its layer's last, shard the layer (its whole linears leave
@@ -138,21 +140,16 @@ class _LayerShards:
         self.pending[index].discard(name)
         if self.pending[index]:
             return
-        layer, prefix = self.layers[index], name.split(f".layers.{index}.")[0] + f".layers.{index}"
-        for part, names in self._PROJECTIONS.items():
-            for projection in names:
-                full = f"{prefix}.{part}.{projection}"
-                if full in quantized:
-                    attach(getattr(getattr(layer, part), projection), quantized.pop(full))
-                linears.pop(full, None)
+        layer = self.layers[index]
+        for full, linear in self._projections(index, layer):
+            if full in quantized:
+                attach(linear, quantized.pop(full))
+            linears.pop(full, None)
         shard_layer(layer, self.rank)
-        for part, names in self._PROJECTIONS.items():
-            for projection in names:
-                module = getattr(getattr(layer, part), projection)
-                linear = module.linear if isinstance(module, RowParallel) else module
-                if (weight := quantized_weight(linear)) is not None:
-                    suffix = ".linear" if linear is not module else ""
-                    quantized[f"{prefix}.{part}.{projection}{suffix}"] = weight
+        for full, module in self._projections(index, layer):
+            row_parallel = isinstance(module, RowParallel)
+            if (weight := quantized_weight(module.linear if row_parallel else module)) is not None:
+                quantized[full + (".linear" if row_parallel else "")] = weight
 
 
 def _name_mapping(reader, model):

@@ -170,15 +170,18 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
     drop_checkpoint_pages(checkpoint)
 
 
+# A decoder layer's projections by block: split by output rows, then the one split by input columns.
+LAYER_PROJECTIONS = {"self_attn": (("q_proj", "k_proj", "v_proj"), "o_proj"),
+                     "mlp": (("gate_proj", "up_proj"), "down_proj")}
+
+
 def shard_layer(layer: torch.nn.Module, rank: Rank) -> None:
     """One decoder layer's projections replaced by this rank's shards."""
-    attn, mlp = layer.self_attn, layer.mlp
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, column_parallel(getattr(attn, name), rank))
-    attn.o_proj = RowParallel(attn.o_proj, rank)
-    for name in ("gate_proj", "up_proj"):
-        setattr(mlp, name, column_parallel(getattr(mlp, name), rank))
-    mlp.down_proj = RowParallel(mlp.down_proj, rank)
+    for part, (column_names, row_name) in LAYER_PROJECTIONS.items():
+        block = getattr(layer, part)
+        for name in column_names:
+            setattr(block, name, column_parallel(getattr(block, name), rank))
+        setattr(block, row_name, RowParallel(getattr(block, row_name), rank))
 
 
 def vocab_slice(vocab: int, rank: Rank) -> tuple[int, int, int]:
