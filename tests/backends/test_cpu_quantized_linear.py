@@ -60,18 +60,22 @@ def test_a_damaged_tensor_is_refused_clearly():
         qf.from_gguf(raw, "Q4_K", 4, 300)
 
 
+@pytest.mark.parametrize("rows_per_pass", [qf.ROWS_PER_PASS, 5])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_quantized_at_load_as_gguf_quantizes(fmt):
+def test_quantized_at_load_as_gguf_quantizes(fmt, rows_per_pass, monkeypatch):
+    monkeypatch.setattr(qf, "ROWS_PER_PASS", rows_per_pass)  # 5: the weight in passes, the last one short
     w = torch.randn(16, 256)
     raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
     expected = gguf_dequantized(raw, fmt.upper(), 16, 256)
     torch.testing.assert_close(qf.quantize(w, fmt).dequantize(), expected, rtol=0, atol=0)
 
 
-def test_int8_is_symmetric_per_row():
+def test_int8_is_symmetric_per_row(monkeypatch):
+    monkeypatch.setattr(qf, "ROWS_PER_PASS", 3)
     torch.manual_seed(0)
     w = torch.randn(8, 64)
     weight = qf.quantize(w, "int8")
+    assert weight.format == "int8"
     scale = w.abs().amax(-1, keepdim=True) / 127
     torch.testing.assert_close(weight.dequantize(), torch.round(w / scale) * scale, rtol=1e-5, atol=1e-6)
 
@@ -269,9 +273,12 @@ def test_quantized_at_load_equals_transformers_on_the_same_weights(tiny_llama, t
     assert greedy(llm, prompts) == expected
 
 
-def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts):
-    expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / "q8_0", "q8_0"), prompts, 12)
-    llm = LLM(str(tiny_llama), dtype="float32", quantization="q8_0", tensor_parallel_size=2, max_model_len=256,
+@pytest.mark.parametrize("fmt", ["q8_0", "int8"])
+def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts, fmt):
+    """Each rank quantizes the weights out of the memory-mapped files layer by layer and keeps its shares: the whole
+    rows' int8 scales, as one process's."""
+    expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / fmt, fmt), prompts, 12)
+    llm = LLM(str(tiny_llama), dtype="float32", quantization=fmt, tensor_parallel_size=2, max_model_len=256,
               kv_cache_space=0.05)
     assert greedy(llm, prompts) == expected
 

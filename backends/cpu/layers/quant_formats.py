@@ -168,9 +168,19 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
     return _weight(u, scale, -32 * scale, rows, 8, 16, type_name)
 
 
+# Rows quantized per pass: the float32 temporaries are a few times this many rows, not the whole weight's (a Llama-3
+# head's would be several GB on the way up).
+ROWS_PER_PASS = 4096
+
+
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     """A float weight [out, in] (in a multiple of 32) quantized at load: q8_0 and q4_0 as GGUF's quantizer rounds
-    them, int8 as symmetric per-output-row int8 (vLLM CPU's W8A8 weights)."""
+    them, int8 as symmetric per-output-row int8 (vLLM CPU's W8A8 weights). Every format's rows are independent."""
+    parts = [_quantize_rows(weight[i:i + ROWS_PER_PASS], fmt) for i in range(0, weight.shape[0], ROWS_PER_PASS)]
+    return parts[0] if len(parts) == 1 else concatenate(parts)
+
+
+def _quantize_rows(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     w = weight.detach().float()
     rows, k = w.shape
     if k % CHUNK:
