@@ -5,6 +5,7 @@ shard of each weight from the memory-mapped safetensors files (backends/cpu/runn
 
     python benchmarks/tensor_parallel_load_memory.py                    # the Llama-3.2-1B shape, random weights
     python benchmarks/tensor_parallel_load_memory.py --model FOLDER
+    python benchmarks/tensor_parallel_load_memory.py --quantization int8      # quantized at load
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from proc_status import process_tree, status_kib
 from pagedllm.models.source import cache_dir, resolve_model
 
 
-def measure(model: str, tp: int, dtype: str) -> dict:
+def measure(model: str, tp: int, dtype: str, quantization: str | None) -> dict:
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", model, "-tp", str(tp),
            "--dtype", dtype, "--kv-cache-space", "0.05", "--max-model-len", "256", "--max-tokens", "1", "Hi"]
+    cmd += ["--quantization", quantization] if quantization else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak_anon: dict[int, int] = {}
     peak_hwm: dict[int, int] = {}
@@ -44,10 +46,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Hugging Face folder (default: a random model of the Llama-3.2-1B shape)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", help="as pagedllm's flag (int8, q4_0, q8_0; a GGUF file's own by default)")
     args = parser.parse_args()
     model = args.model or str(model_shapes.shaped_model("llama-1b", resolve_model(None).tokenizer_dir, cache_dir()))
-    one, two = measure(model, 1, args.dtype), measure(model, 2, args.dtype)
-    summary = {"model": model, "tp1": one, "tp2": two,
+    one, two = (measure(model, tp, args.dtype, args.quantization) for tp in (1, 2))
+    summary = {"model": model, "quantization": args.quantization, "tp1": one, "tp2": two,
                "anon_ratio_per_rank": round(max(two["peak_anon_mib"]) / one["peak_anon_mib"][0], 3),
                "rss_ratio_per_rank": round(max(two["peak_rss_mib"]) / one["peak_rss_mib"][0], 3)}
     print(json.dumps(summary, indent=2))

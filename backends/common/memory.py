@@ -73,6 +73,17 @@ def checkpoint_mappings(suffixes: tuple[str, ...] = (".safetensors",)) -> list[s
     return regions
 
 
+def in_mappings(tensor, regions: list[str]) -> bool:
+    """Whether ``tensor``'s data lies in one of the mappings ``regions`` (from checkpoint_mappings): a view of a
+    checkpoint file, resident only where it has been read."""
+    address = tensor.data_ptr()
+    for line in regions:
+        start, end = (int(bound, 16) for bound in line.split(maxsplit=1)[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
 def drop_checkpoint_pages(regions: list[str]) -> None:
     """Drop the resident pages of the checkpoint mappings ``regions`` (from checkpoint_mappings) that are still
     mapped as they were: a weight packed into a copy of its own, or one read only by rows (the embedding), would

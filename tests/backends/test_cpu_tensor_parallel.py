@@ -217,19 +217,28 @@ def test_smollm2_three_ranks_equal_transformers(smollm2):
 
 def test_a_rank_reads_a_gguf_file_a_layer_and_its_vocabulary_rows_at_a_time(smollm2):
     """SmolLM2's GGUF at two ranks: each decoder layer is sharded as soon as its tensors are read (a rank never holds
-    every layer whole), its shares are copies (a view would keep the whole weight alive), and the token embedding is
-    this rank's half of the vocabulary as the whole table has it, dequantized alone."""
+    every layer whole), its shares are copies (a view would keep the whole weight alive), the tied head is read as
+    this rank's half of the vocabulary alone, and the token embedding looks that half up in it: the rows the whole
+    table has, and no dense table."""
     import torch
 
+    from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
+    from pagedllm.backends.cpu.layers.quantized_embedding import embed_from_head
     from pagedllm.backends.cpu.layers.quantized_linear import quantized_weight
     from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
-    from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelEmbedding
+    from pagedllm.backends.cpu.runner.kernels import load_kernels
+    from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelEmbedding, VocabParallelHead
 
     whole, _ = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa")
-    model, weights = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa", rank=Rank(1, 2))
-    embedding, table = model.get_decoder().embed_tokens, whole.get_input_embeddings().weight
+    model, weights = load_gguf_model(str(smollm2.config_dir), smollm2.path, torch.float32, "sdpa",
+                                     embedding_from_head=True, rank=Rank(1, 2))
+    head, full_head = model.get_output_embeddings(), quantized_weight(whole.get_output_embeddings())
+    share = quantized_weight(head.linear)
+    assert isinstance(head, VocabParallelHead) and torch.equal(share.values, full_head.values[24576:49152])
+    assert share.values.untyped_storage().nbytes() == share.values.nbytes
+    embedding = model.get_decoder().embed_tokens
     assert isinstance(embedding, VocabParallelEmbedding) and (embedding.start, embedding.end) == (24576, 49152)
-    assert torch.equal(embedding.weight, table[24576:49152])
+    assert embedding.lookup.weight.is_meta  # left for the head's slice
     for layer, full in zip(model.get_decoder().layers, whole.get_decoder().layers):
         assert isinstance(layer.self_attn.o_proj, RowParallel) and isinstance(layer.mlp.down_proj, RowParallel)
         share, gate = quantized_weight(layer.mlp.gate_proj), quantized_weight(full.mlp.gate_proj)
@@ -238,6 +247,43 @@ def test_a_rank_reads_a_gguf_file_a_layer_and_its_vocabulary_rows_at_a_time(smol
         assert all(t.untyped_storage().nbytes() == t.nbytes for t in (share.values, share.scales, share.offsets))
     assert weights["model.layers.0.self_attn.o_proj.linear"] is quantized_weight(
         model.get_decoder().layers[0].self_attn.o_proj.linear)  # the log counts the shares
+    assert weights["lm_head.linear"] is quantized_weight(head.linear)
+    kernels, _ = load_kernels("auto")
+    if kernels is not None:
+        use_packed_linears(model, kernels)
+        assert embed_from_head(model, kernels)
+        ids = torch.tensor([0, 5, 12345, 24575])  # local rows 0..24575 of the slice: tokens 24576..49151
+        assert torch.equal(embedding.lookup(ids), whole.get_input_embeddings().weight[ids + 24576])
+
+
+def test_a_rank_quantizes_at_load_a_layer_at_a_time_and_only_its_rows_of_the_head(tiny_llama):
+    """--quantization at two ranks, over the memory-mapped files: each decoder layer is sharded as soon as it is
+    quantized (the shares are the whole quantization's halves, in storage of their own), the LM head is quantized in
+    this rank's vocabulary rows only, and the embedding's rows stay a view of the file (resident where read)."""
+    import torch
+
+    from pagedllm.backends.common.memory import checkpoint_mappings, in_mappings
+    from pagedllm.backends.cpu.layers.quantized_linear import quantized_weight
+    from pagedllm.backends.cpu.runner.quantization import quantize_linears
+    from pagedllm.backends.cpu.runner.shard_loading import meta_model_over_files
+    from pagedllm.backends.cpu.runner.sharding import Rank, RowParallel, VocabParallelHead, shard_model, vocab_slice
+
+    whole = meta_model_over_files(str(tiny_llama), torch.float32, "sdpa")
+    quantize_linears(whole, "q8_0", torch.float32)
+    model = meta_model_over_files(str(tiny_llama), torch.float32, "sdpa")
+    weights = quantize_linears(model, "q8_0", torch.float32, Rank(1, 2))
+    for layer, full in zip(model.get_decoder().layers, whole.get_decoder().layers):
+        assert isinstance(layer.self_attn.o_proj, RowParallel) and isinstance(layer.mlp.down_proj, RowParallel)
+        share, gate = quantized_weight(layer.mlp.gate_proj), quantized_weight(full.mlp.gate_proj)
+        assert torch.equal(share.values, gate.values[gate.values.shape[0] // 2:])
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in (share.values, share.scales, share.offsets))
+    head, vocab = model.get_output_embeddings(), whole.get_output_embeddings().out_features
+    start, end, _ = vocab_slice(vocab, Rank(1, 2))
+    assert isinstance(head, VocabParallelHead) and weights["lm_head.linear"] is quantized_weight(head.linear)
+    rows = quantized_weight(head.linear).values[:end - start]
+    assert torch.equal(rows, quantized_weight(whole.get_output_embeddings()).values[start:end])
+    shard_model(model, Rank(1, 2))
+    assert in_mappings(model.get_decoder().embed_tokens.lookup.weight, checkpoint_mappings())
 
 
 def test_ranks_on_one_machine_meet_through_a_file_and_loopback():

@@ -32,11 +32,17 @@ class HeadPanelEmbedding(torch.nn.Module):
 
 def embed_from_head(model: torch.nn.Module, kernels) -> bool:
     """Give a model whose embedding was left unloaded (load_gguf_model's ``embedding_from_head``) the lookup in its
-    quantized head; False if its embedding is loaded."""
+    quantized head; False if its embedding is loaded. A tensor-parallel rank's embedding looks its vocabulary slice
+    up (``lookup``) in its slice of the head (``linear``): sharding.VocabParallelEmbedding and VocabParallelHead."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not embedding.weight.is_meta:
+    table, head = getattr(embedding, "lookup", embedding), getattr(head, "linear", head)
+    if not table.weight.is_meta:
         return False
     if not isinstance(head, QuantizedLinear):
         raise RuntimeError(f"the token embedding was left for the head's panels, but the head is a {type(head)}")
-    model.set_input_embeddings(HeadPanelEmbedding(head, model.dtype, kernels))
+    panels = HeadPanelEmbedding(head, model.dtype, kernels)
+    if table is embedding:
+        model.set_input_embeddings(panels)
+    else:
+        embedding.lookup = panels
     return True

@@ -18,8 +18,8 @@ import torch
 from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
 from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
-from pagedllm.backends.cpu.runner.sharding import (LAYER_PROJECTIONS, Rank, RowParallel, VocabParallelEmbedding,
-                                                   shard_layer, vocab_slice)
+from pagedllm.backends.cpu.runner.sharding import (LayerShards, Rank, VocabParallelEmbedding, VocabParallelHead,
+                                                   head_slice, vocab_slice)
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
@@ -31,8 +31,9 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
     generation config) of ``config_dir``. With ``embedding_from_head``, a plain token embedding tied to a quantized
     head is left on the meta device, for quantized_embedding.embed_from_head to look up in the head's panels. A
-    tensor-parallel ``rank`` dequantizes only its own rows of the token embedding (sharding.VocabParallelEmbedding):
-    the whole table in float32 is the largest thing a rank would otherwise hold on the way up."""
+    tensor-parallel ``rank`` reads only its own rows of the vocabulary (sharding.VocabParallelHead and
+    VocabParallelEmbedding; a dense embedding's rows dequantized alone): the whole head and table are the largest
+    things a rank would otherwise hold on the way up."""
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -47,13 +48,15 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     head_name = next((name for name, linear in linears.items() if linear is head), None)
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False) and head_name is not None
     quantized, dense_types = {}, collections.Counter()
+    head_quantized = False
     lookup_in_head = embedding_from_head and type(model.get_input_embeddings()) is torch.nn.Embedding
-    vocab_rows = embedding_name = None
+    vocab = config.get_text_config().vocab_size
+    start = end = chunk = embedding_name = None
     if rank is not None:
-        vocab_rows = vocab_slice(config.get_text_config().vocab_size, rank)[:2]
+        start, end, chunk = vocab_slice(vocab, rank)
         embedding_name = next((name for name, param in model.named_parameters()
                                if param is model.get_input_embeddings().weight), None)
-    layer_shards = _LayerShards(model, rank) if rank is not None else None
+    layer_shards = LayerShards(model, rank) if rank is not None else None
     for tensor in reader.tensors:
         hf_name = to_hf.get(tensor.name)
         if hf_name is None:
@@ -62,20 +65,28 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
         names = ([head_name + ".weight"] if tied and hf_name.endswith("embed_tokens.weight") else []) + [hf_name]
         for name in names:
             linear = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
-            if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file)) is not None:
+            sliced = linear is head and rank is not None  # a rank reads its vocabulary rows of the head alone
+            if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file,
+                                                            (start, end) if sliced else None)) is not None:
+                head_quantized = head_quantized or linear is head
+                if sliced:
+                    model.set_output_embeddings(VocabParallelHead(head_slice(head, start, chunk, vocab, weight),
+                                                                  vocab, rank))
+                    linears.pop(head_name)
+                    name, weight = head_name + ".linear.weight", quantized_weight(model.get_output_embeddings().linear)
                 quantized[name.removesuffix(".weight")] = weight
                 if layer_shards is not None:
                     layer_shards.loaded(name, quantized, linears)
                 continue
             if linear is head and tied and name != hf_name:
                 continue  # the head shares the embedding's dense rows (tie_weights below)
-            if name == hf_name and len(names) > 1 and head_name in quantized and lookup_in_head:
+            if name == hf_name and len(names) > 1 and head_quantized and lookup_in_head:
                 continue
-            if name == embedding_name and not (tied and head_name not in quantized):
-                start, end = vocab_rows  # a head tied to it as dense rows would need the whole table: not here
-                rows = dequantize(tensor.data[start:end], tensor.tensor_type)
+            if name == embedding_name and not (tied and not head_quantized):
+                # a head tied to it as dense rows would need the whole table: not here
+                rows = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data[start:end], tensor.tensor_type)))
                 model.get_decoder().embed_tokens = VocabParallelEmbedding(
-                    torch.from_numpy(np.ascontiguousarray(rows)).to(dtype), start, end, rank)
+                    torch.nn.Embedding.from_pretrained(rows.to(dtype)), start, end, rank)
                 continue
             values = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name).weights
             # float tensors come back as views of the read-only mapped file: copied as they become the dtype
@@ -89,12 +100,14 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
         # read, beside everything made of them
         drop_mapped_pages(tensor.data)
     for name, weight in quantized.items():
-        if name in linears:  # not a layer _LayerShards sharded (it attached theirs)
+        if name in linears:  # not a layer LayerShards sharded (it attached theirs)
             attach(linears[name], weight)
-    if tied and head_name not in quantized:
+    if tied and not head_quantized:
         head.weight = model.get_input_embeddings().weight
-    # left for the head's panels (embed_from_head)
-    embedding = model.get_input_embeddings().weight if lookup_in_head and head_name in quantized else None
+    # left for the head's panels (embed_from_head); a rank's, for its slice of them
+    embedding = model.get_input_embeddings().weight if lookup_in_head and head_quantized else None
+    if embedding is not None and rank is not None:
+        model.get_decoder().embed_tokens = VocabParallelEmbedding(model.get_input_embeddings(), start, end, rank)
     empty = [name for name, param in model.named_parameters()
              if param.is_meta and name.removesuffix(".weight") not in quantized and param is not embedding]
     if empty:
@@ -106,50 +119,6 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                     ", ".join(f"{n} {kind}" for kind, n in sorted(dense_types.items())))
     model.generation_config = _generation_config(config_dir, model.generation_config)
     return model.eval(), quantized
-
-
-class _LayerShards:
-    """A tensor-parallel rank's decoder layers sharded as soon as the file has given all their projections' tensors
-    (GGUF files hold them layer by layer), so that a rank never holds every layer whole. The quantized weights of a
-    sharded layer are replaced by its shards in ``quantized`` (the names of row-parallel ones gain ``.linear``)."""
-
-    def __init__(self, model: torch.nn.Module, rank: Rank) -> None:
-        decoder = model.get_decoder()
-        self.prefix = next(name for name, module in model.named_modules() if module is decoder) + ".layers"
-        self.rank, self.layers = rank, decoder.layers
-        self.pending: dict[int, set[str]] = {}  # per layer, its projections' parameters the file has not given yet
-        self.layer_of: dict[str, int] = {}
-        for index, layer in enumerate(decoder.layers):
-            for name, linear in self._projections(index, layer):
-                for param_name, _ in linear.named_parameters():
-                    self.pending.setdefault(index, set()).add(f"{name}.{param_name}")
-                    self.layer_of[f"{name}.{param_name}"] = index
-
-    def _projections(self, index: int, layer: torch.nn.Module):
-        """(name, module) of the layer's projections, as they are now (whole or shards)."""
-        for part, (column_names, row_name) in LAYER_PROJECTIONS.items():
-            for projection in (*column_names, row_name):
-                yield f"{self.prefix}.{index}.{part}.{projection}", getattr(getattr(layer, part), projection)
-
-    def loaded(self, name: str, quantized: dict, linears: dict) -> None:
-        """``name``'s tensor is in; when it was its layer's last, shard the layer (its whole linears leave
-        ``linears`` too, so that nothing keeps them)."""
-        index = self.layer_of.get(name)
-        if index is None:
-            return
-        self.pending[index].discard(name)
-        if self.pending[index]:
-            return
-        layer = self.layers[index]
-        for full, linear in self._projections(index, layer):
-            if full in quantized:
-                attach(linear, quantized.pop(full))
-            linears.pop(full, None)
-        shard_layer(layer, self.rank)
-        for full, module in self._projections(index, layer):
-            row_parallel = isinstance(module, RowParallel)
-            if (weight := quantized_weight(module.linear if row_parallel else module)) is not None:
-                quantized[full + (".linear" if row_parallel else "")] = weight
 
 
 def _name_mapping(reader, model):
@@ -174,19 +143,24 @@ def _name_mapping(reader, model):
         gguf.get_tensor_name_map = build_map
 
 
-def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path) -> QuantizedWeight | None:
+def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path,
+               row_range: tuple[int, int] | None = None) -> QuantizedWeight | None:
     """The tensor's blocks in the kernels' layout, rows in the Hugging Face order (the processor's permutation of
-    whole rows), or None for a type or shape the kernels do not take."""
+    whole rows), or None for a type or shape the kernels do not take. ``row_range``: only rows first..end (of an
+    unpermuted tensor: a rank's slice of the LM head)."""
     type_name = tensor.tensor_type.name
     rows, columns = int(tensor.shape[-1]), int(tensor.shape[0])
     if type_name not in GGUF_FORMATS or (rows, columns) != (linear.out_features, linear.in_features):
         return None
+    order = processor.process(weights=np.arange(rows).reshape(rows, 1), name=tensor.name).weights.reshape(rows)
+    first, end = row_range or (0, rows)
+    if row_range is not None and not np.array_equal(order[first:end], np.arange(first, end)):
+        raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: rows permuted where a rank reads a slice")
     try:
-        weight = from_gguf(np.asarray(tensor.data), type_name, rows, columns)
+        weight = from_gguf(np.asarray(tensor.data[first:end]), type_name, end - first, columns)
     except ValueError as exc:
         raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: {exc}") from exc
-    order = processor.process(weights=np.arange(rows).reshape(rows, 1), name=tensor.name).weights.reshape(rows)
-    if not np.array_equal(order, np.arange(rows)):
+    if row_range is None and not np.array_equal(order, np.arange(rows)):
         weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
     return weight
 

@@ -93,13 +93,13 @@ class ModelRunner:
                               f"in use here (PAGEDLLM_CPU_ATTENTION=torch, or their build failed); use "
                               f"--quantization none")
         if quantization == "gguf":
-            # one process holds the whole head: the embedding can look its rows up there (ranks shard the vocabulary)
             self.model, weights = load_gguf_model(self.model_dir, self.gguf_file, self.dtype,
-                                                  attention.ATTENTION_NAME, embedding_from_head=self.rank is None,
-                                                  rank=self.rank)
-        elif self.rank is not None and quantization == "none" and has_safetensors(self.model_dir):
-            # this rank's shard read out of the memory-mapped files: the whole model is never in this process
-            self.model, weights = meta_model_over_files(self.model_dir, self.dtype, attention.ATTENTION_NAME), {}
+                                                  attention.ATTENTION_NAME, embedding_from_head=True, rank=self.rank)
+        elif self.rank is not None and has_safetensors(self.model_dir):
+            # this rank's shard read (and quantized) out of the memory-mapped files: the whole model is never in this
+            # process
+            self.model = meta_model_over_files(self.model_dir, self.dtype, attention.ATTENTION_NAME)
+            weights = quantize_linears(self.model, quantization, self.dtype, self.rank)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)

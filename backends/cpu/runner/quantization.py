@@ -19,20 +19,47 @@ import torch
 
 from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers.quant_formats import quantize
-from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
+from pagedllm.backends.cpu.runner.sharding import LayerShards, Rank, VocabParallelHead, head_slice, vocab_slice
 
 logger = logging.getLogger("pagedllm.cpu")
 
 
-def quantize_linears(model: torch.nn.Module, mode: str) -> dict:
+def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | None = None,
+                     rank: Rank | None = None) -> dict:
     """Attach quantized weights made at load (q8_0, q4_0, int8) to the model's linear layers; returns them by
-    layer name (none for ``none``)."""
+    layer name (none for ``none``). Weights are quantized from ``dtype`` (the model's; a tensor-parallel rank's are
+    still the files' tensors). A ``rank`` shards each decoder layer once it is quantized and quantizes only its
+    vocabulary rows of the LM head, so that it never holds the whole quantized model."""
     if mode == "none":
         return {}
+    head = model.get_output_embeddings()
     linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
-    weights = _quantized_at_load(model, linears, mode)
+    layer_shards = LayerShards(model, rank) if rank is not None else None
+    checkpoint = checkpoint_mappings()  # each weight read from the files gives its pages back once quantized
+    weights = {}
+    for name in list(linears):  # names only: a whole layer once sharded is referenced nowhere
+        linear = linears[name]
+        # the LM head stays dense for int8 (as vLLM's W8A8) and is q8_0 for the block formats (as llama.cpp keeps
+        # the output layer at higher precision)
+        fmt = ("q8_0" if mode != "int8" else None) if linear is head else mode
+        if fmt is not None and not linear.in_features % 32:
+            if linear is head and rank is not None:
+                vocab = head.out_features
+                start, end, chunk = vocab_slice(vocab, rank)
+                rows = quantize(head.weight[start:end].to(dtype or head.weight.dtype), fmt)
+                model.set_output_embeddings(VocabParallelHead(head_slice(head, start, chunk, vocab, rows), vocab, rank))
+                name, linear = name + ".linear", model.get_output_embeddings().linear
+                weights[name] = quantized_weight(linear)
+            else:
+                weights[name] = quantize(linear.weight.to(dtype or linear.weight.dtype), fmt)
+        if layer_shards is not None:
+            for param_name, _ in linear.named_parameters():
+                layer_shards.loaded(f"{name}.{param_name}", weights, linears)
+        drop_checkpoint_pages(checkpoint)
     for name, weight in weights.items():
-        attach(linears[name], weight)
+        if name in linears:  # not a layer LayerShards sharded (it attached theirs), nor the head's slice
+            attach(linears[name], weight)
     return weights
 
 
@@ -49,18 +76,3 @@ def describe_quantized(model: torch.nn.Module, mode: str, weights: dict) -> str:
     return (f"linear layers: {len(weights)} quantized ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))}), "
             f"{quantized_bytes / 2**20:.0f} MiB instead of {dense_bytes / 2**20:.0f} MiB dense"
             + (f"; {left} dense" if left else ""))
-
-
-def _quantized_at_load(model: torch.nn.Module, linears: dict, mode: str) -> dict:
-    """The decoder's linears in ``mode``; the LM head stays dense for int8 (as vLLM's W8A8) and is q8_0 for the
-    block formats (as llama.cpp keeps the output layer at higher precision)."""
-    head = model.get_output_embeddings()
-    checkpoint = checkpoint_mappings()  # each weight read from the files gives its pages back once quantized
-    weights = {}
-    for name, linear in linears.items():
-        fmt = ("q8_0" if mode != "int8" else None) if linear is head else mode
-        if fmt is None or linear.in_features % 32:
-            continue
-        weights[name] = quantize(linear.weight, fmt)
-        drop_checkpoint_pages(checkpoint)
-    return weights

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
+from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages, in_mappings
 from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight, concatenate
 from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
 from pagedllm.errors import ConfigError
@@ -97,44 +97,30 @@ def _sliced(linear: torch.nn.Linear, index, bias: bool, quantized) -> torch.nn.L
 
 
 class VocabParallelEmbedding(torch.nn.Module):
-    """This rank's rows of the embedding; tokens of other ranks' rows look up zeros, and the sum over the ranks is
-    the full lookup."""
+    """This rank's rows of the embedding, looked up by ``lookup`` (an nn.Embedding of rows start..end, or the rank's
+    slice of a quantized head: quantized_embedding.embed_from_head); tokens of other ranks' rows look up zeros, and
+    the sum over the ranks is the full lookup."""
 
-    def __init__(self, rows: torch.Tensor, start: int, end: int, rank: Rank) -> None:
+    def __init__(self, lookup: torch.nn.Module, start: int, end: int, rank: Rank) -> None:
         super().__init__()
-        self.start, self.end, self.group = start, end, rank.group
-        self.weight = torch.nn.Parameter(rows, requires_grad=False)
+        self.lookup, self.start, self.end, self.group = lookup, start, end, rank.group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         dist.all_reduce(out, group=self.group)
         return out
 
 
 class VocabParallelHead(torch.nn.Module):
-    """This rank's slice of the LM head; rank 0 gathers the slices into the full logits (the other ranks return
-    their own slice, which nobody reads). Slices are equal in size, the last one padded, as gather needs."""
+    """This rank's slice of the LM head (``linear``: head_slice); rank 0 gathers the slices into the full logits (the
+    other ranks return their own slice, which nobody reads)."""
 
-    def __init__(self, head: torch.nn.Linear, start: int, chunk: int, vocab: int, rank: Rank) -> None:
+    def __init__(self, linear: torch.nn.Linear, vocab: int, rank: Rank) -> None:
         super().__init__()
-        end = min(start + chunk, vocab)
-        weight = quantized_weight(head)
-        self.linear = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype,
-                                      device="meta" if weight is not None else None)
-        with torch.no_grad():
-            if weight is not None:  # the padding rows score zero: zero values, scales and offsets
-                padding = _zero_rows(weight, chunk - end + start)
-                attach(self.linear, concatenate([weight.rows(slice(start, end)), padding]))
-            else:
-                self.linear.weight.zero_()
-                self.linear.weight[:end - start].copy_(head.weight[start:end])
-            if head.bias is not None:
-                self.linear.bias = torch.nn.Parameter(F.pad(head.bias[start:end], (0, chunk - end + start)),
-                                                      requires_grad=False)
-        self.vocab, self.rank = vocab, rank
+        self.linear, self.vocab, self.rank = linear, vocab, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.linear(x).contiguous()
@@ -144,6 +130,28 @@ class VocabParallelHead(torch.nn.Module):
         parts = [torch.empty_like(local) for _ in range(self.rank.world_size)]
         dist.gather(local, parts, dst=0, group=self.rank.group)
         return torch.cat(parts, dim=-1)[..., :self.vocab]
+
+
+def head_slice(head: torch.nn.Linear, start: int, chunk: int, vocab: int,
+               rows: QuantizedWeight | None = None) -> torch.nn.Linear:
+    """The head's rows start..start + chunk as a Linear of ``chunk`` rows: slices are equal in size, the last one
+    padded with rows that score zero, as gather needs. ``rows``: those rows of a quantized head, already read alone
+    (a GGUF file's)."""
+    end = min(start + chunk, vocab)
+    weight = quantized_weight(head)
+    if rows is None and weight is not None:
+        rows = weight.rows(slice(start, end))
+    part = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype,
+                           device="meta" if rows is not None else None)
+    with torch.no_grad():
+        if rows is not None:  # the padding rows: zero values, scales and offsets
+            attach(part, concatenate([rows, _zero_rows(rows, chunk - end + start)]))
+        else:
+            part.weight.zero_()
+            part.weight[:end - start].copy_(head.weight[start:end])
+        if head.bias is not None:
+            part.bias = torch.nn.Parameter(F.pad(head.bias[start:end], (0, chunk - end + start)), requires_grad=False)
+    return part
 
 
 def _zero_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
@@ -163,10 +171,15 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
             drop_checkpoint_pages(checkpoint)
     vocab = model.config.get_text_config().vocab_size
     start, end, chunk = vocab_slice(vocab, rank)
-    embedding, head = decoder.embed_tokens, model.lm_head  # a tied head is the embedding's weight: read it first
-    model.lm_head = VocabParallelHead(head, start, chunk, vocab, rank)
-    if not isinstance(embedding, VocabParallelEmbedding):  # a GGUF file's is sharded as it is read
-        decoder.embed_tokens = VocabParallelEmbedding(embedding.weight.detach()[start:end].clone(), start, end, rank)
+    # a GGUF file's head and embedding are sharded as they are read; a tied head is the embedding's weight: first
+    embedding, head = decoder.embed_tokens, model.lm_head
+    if not isinstance(head, VocabParallelHead):
+        model.lm_head = VocabParallelHead(head_slice(head, start, chunk, vocab), vocab, rank)
+    if not isinstance(embedding, VocabParallelEmbedding):
+        rows = embedding.weight.detach()[start:end]
+        if not in_mappings(rows, checkpoint):  # a view of the file's rows stays file-backed; of a table, keeps it all
+            rows = rows.clone()
+        decoder.embed_tokens = VocabParallelEmbedding(torch.nn.Embedding.from_pretrained(rows), start, end, rank)
     drop_checkpoint_pages(checkpoint)
 
 
@@ -194,3 +207,48 @@ def vocab_slice(vocab: int, rank: Rank) -> tuple[int, int, int]:
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights this rank holds (parameters and buffers such as packed weights)."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+class LayerShards:
+    """A tensor-parallel rank's decoder layers sharded as soon as a loader has given all their projections' tensors
+    (GGUF files hold them layer by layer; quantization at load goes layer by layer), so that a rank never holds every
+    layer whole. The quantized weights of a sharded layer are replaced by its shards in ``quantized`` (the names of
+    row-parallel ones gain ``.linear``)."""
+
+    def __init__(self, model: torch.nn.Module, rank: Rank) -> None:
+        decoder = model.get_decoder()
+        self.prefix = next(name for name, module in model.named_modules() if module is decoder) + ".layers"
+        self.rank, self.layers = rank, decoder.layers
+        self.pending: dict[int, set[str]] = {}  # per layer, its projections' parameters not given yet
+        self.layer_of: dict[str, int] = {}
+        for index, layer in enumerate(decoder.layers):
+            for name, linear in self._projections(index, layer):
+                for param_name, _ in linear.named_parameters():
+                    self.pending.setdefault(index, set()).add(f"{name}.{param_name}")
+                    self.layer_of[f"{name}.{param_name}"] = index
+
+    def _projections(self, index: int, layer: torch.nn.Module):
+        """(name, module) of the layer's projections, as they are now (whole or shards)."""
+        for part, (column_names, row_name) in LAYER_PROJECTIONS.items():
+            for projection in (*column_names, row_name):
+                yield f"{self.prefix}.{index}.{part}.{projection}", getattr(getattr(layer, part), projection)
+
+    def loaded(self, name: str, quantized: dict, linears: dict) -> None:
+        """``name``'s tensor is in; when it was its layer's last, shard the layer (its whole linears leave
+        ``linears`` too, so that nothing keeps them)."""
+        index = self.layer_of.get(name)
+        if index is None:
+            return
+        self.pending[index].discard(name)
+        if self.pending[index]:
+            return
+        layer = self.layers[index]
+        for full, linear in self._projections(index, layer):
+            if full in quantized:
+                attach(linear, quantized.pop(full))
+            linears.pop(full, None)
+        shard_layer(layer, self.rank)
+        for full, module in self._projections(index, layer):
+            row_parallel = isinstance(module, RowParallel)
+            if (weight := quantized_weight(module.linear if row_parallel else module)) is not None:
+                quantized[full + (".linear" if row_parallel else "")] = weight
