@@ -42,6 +42,20 @@ def measure(model: str, tp: int, dtype: str, quantization: str | None) -> dict:
             "peak_rss_mib": [round(peak_hwm[p] / 1024) for p in holders]}
 
 
+# What a process holds before any weight: torch, transformers and the C++ kernels loaded (a rank's floor)
+FLOOR = """
+import transformers, transformers.models.llama.modeling_llama
+from pagedllm.backends.cpu.runner.kernels import load_kernels
+load_kernels("auto")
+print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:")))
+"""
+
+
+def floor_mib() -> int:
+    out = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, check=True).stdout
+    return round(int(out.split()[-1]) / 1024)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Hugging Face folder (default: a random model of the Llama-3.2-1B shape)")
@@ -53,6 +67,9 @@ def main() -> int:
     summary = {"model": model, "quantization": args.quantization, "tp1": one, "tp2": two,
                "anon_ratio_per_rank": round(max(two["peak_anon_mib"]) / one["peak_anon_mib"][0], 3),
                "rss_ratio_per_rank": round(max(two["peak_rss_mib"]) / one["peak_rss_mib"][0], 3)}
+    # the same ratio for the memory loading adds above a process's floor (which a larger model makes small)
+    floor = summary["process_floor_mib"] = floor_mib()
+    summary["anon_ratio_above_floor"] = round((max(two["peak_anon_mib"]) - floor) / (one["peak_anon_mib"][0] - floor), 3)
     print(json.dumps(summary, indent=2))
     return 0
 
