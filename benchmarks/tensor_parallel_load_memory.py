@@ -69,7 +69,8 @@ def main() -> int:
                "rss_ratio_per_rank": round(max(two["peak_rss_mib"]) / one["peak_rss_mib"][0], 3)}
     # the same ratio for the memory loading adds above a process's floor (which a larger model makes small)
     floor = summary["process_floor_mib"] = floor_mib()
-    summary["anon_ratio_above_floor"] = round((max(two["peak_anon_mib"]) - floor) / (one["peak_anon_mib"][0] - floor), 3)
+    above = (max(two["peak_anon_mib"]) - floor) / (one["peak_anon_mib"][0] - floor)
+    summary["anon_ratio_above_floor"] = round(above, 3)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -17,9 +17,9 @@ import torch
 
 from pagedllm.backends.common.memory import drop_mapped_pages
 from pagedllm.backends.cpu.layers.quant_formats import GGUF_FORMATS, QuantizedWeight, from_gguf
-from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
-from pagedllm.backends.cpu.runner.sharding import (LayerShards, Rank, VocabParallelEmbedding, VocabParallelHead,
-                                                   head_slice, vocab_slice)
+from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.backends.cpu.runner.sharding import (LayerShards, Rank, VocabParallelEmbedding, use_head_slice,
+                                                   vocab_slice)
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
@@ -50,10 +50,9 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     quantized, dense_types = {}, collections.Counter()
     head_quantized = False
     lookup_in_head = embedding_from_head and type(model.get_input_embeddings()) is torch.nn.Embedding
-    vocab = config.get_text_config().vocab_size
-    start = end = chunk = embedding_name = None
+    start = end = embedding_name = None
     if rank is not None:
-        start, end, chunk = vocab_slice(vocab, rank)
+        start, end, _ = vocab_slice(config.get_text_config().vocab_size, rank)
         embedding_name = next((name for name, param in model.named_parameters()
                                if param is model.get_input_embeddings().weight), None)
     layer_shards = LayerShards(model, rank) if rank is not None else None
@@ -70,10 +69,8 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                                                             (start, end) if sliced else None)) is not None:
                 head_quantized = head_quantized or linear is head
                 if sliced:
-                    model.set_output_embeddings(VocabParallelHead(head_slice(head, start, chunk, vocab, weight),
-                                                                  vocab, rank))
                     linears.pop(head_name)
-                    name, weight = head_name + ".linear.weight", quantized_weight(model.get_output_embeddings().linear)
+                    name, weight = head_name + ".linear.weight", use_head_slice(model, weight, rank)
                 quantized[name.removesuffix(".weight")] = weight
                 if layer_shards is not None:
                     layer_shards.loaded(name, quantized, linears)

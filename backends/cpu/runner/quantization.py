@@ -19,8 +19,8 @@ import torch
 
 from pagedllm.backends.common.memory import checkpoint_mappings, drop_checkpoint_pages
 from pagedllm.backends.cpu.layers.quant_formats import quantize
-from pagedllm.backends.cpu.layers.quantized_linear import attach, quantized_weight
-from pagedllm.backends.cpu.runner.sharding import LayerShards, Rank, VocabParallelHead, head_slice, vocab_slice
+from pagedllm.backends.cpu.layers.quantized_linear import attach
+from pagedllm.backends.cpu.runner.sharding import LayerShards, Rank, use_head_slice, vocab_slice
 
 logger = logging.getLogger("pagedllm.cpu")
 
@@ -45,12 +45,11 @@ def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | Non
         fmt = ("q8_0" if mode != "int8" else None) if linear is head else mode
         if fmt is not None and not linear.in_features % 32:
             if linear is head and rank is not None:
-                vocab = head.out_features
-                start, end, chunk = vocab_slice(vocab, rank)
+                start, end, _ = vocab_slice(head.out_features, rank)
                 rows = quantize(head.weight[start:end].to(dtype or head.weight.dtype), fmt)
-                model.set_output_embeddings(VocabParallelHead(head_slice(head, start, chunk, vocab, rows), vocab, rank))
-                name, linear = name + ".linear", model.get_output_embeddings().linear
-                weights[name] = quantized_weight(linear)
+                name = name + ".linear"
+                weights[name] = use_head_slice(model, rows, rank)
+                linear = model.get_output_embeddings().linear
             else:
                 weights[name] = quantize(linear.weight.to(dtype or linear.weight.dtype), fmt)
         if layer_shards is not None:

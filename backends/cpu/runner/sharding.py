@@ -154,6 +154,16 @@ def head_slice(head: torch.nn.Linear, start: int, chunk: int, vocab: int,
     return part
 
 
+def use_head_slice(model: torch.nn.Module, rows: QuantizedWeight, rank: Rank) -> QuantizedWeight:
+    """Make the model's LM head this rank's VocabParallelHead over ``rows``, its vocabulary rows of the quantized
+    head read (or quantized) alone; returns the slice's weight."""
+    head = model.get_output_embeddings()
+    vocab = head.out_features
+    start, _, chunk = vocab_slice(vocab, rank)
+    model.set_output_embeddings(VocabParallelHead(head_slice(head, start, chunk, vocab, rows), vocab, rank))
+    return quantized_weight(model.get_output_embeddings().linear)
+
+
 def _zero_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
     return dataclasses.replace(weight, values=weight.values.new_zeros(rows, weight.values.shape[1]),
                                scales=weight.scales.new_zeros(rows, weight.scales.shape[1]),
