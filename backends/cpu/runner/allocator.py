@@ -23,6 +23,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit: blocks below it come from the heap and are reused
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap top kept before any is returned
+LOADING_MMAP_THRESHOLD = 1 << 20  # while loading: blocks from 1 MiB up mapped apart, unmapped as soon as freed
 
 
 def _installed() -> str | None:
@@ -57,6 +58,14 @@ def keep_freed_memory() -> str:
         return f"allocator: glibc malloc, untuned (mallopt refused) ({tcmalloc_status()})"
     return (f"allocator: glibc malloc keeping freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim "
             f"threshold {TRIM_THRESHOLD >> 20} MiB); {tcmalloc_status()}")
+
+
+def free_loading_buffers_at_once() -> None:
+    """While the weights load: their buffers and temporaries (shards, fused copies, packing) go back to the kernel as
+    they are freed, instead of piling up in the heap beside what is made of them (glibc's own threshold rises to
+    32 MiB blocks after the first large free). keep_freed_memory tunes it for the steps afterwards."""
+    if not tcmalloc_loaded() and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, LOADING_MMAP_THRESHOLD)
 
 
 def return_loading_memory() -> None:
