@@ -286,6 +286,24 @@ def test_a_rank_quantizes_at_load_a_layer_at_a_time_and_only_its_rows_of_the_hea
     assert in_mappings(model.get_decoder().embed_tokens.lookup.weight, checkpoint_mappings())
 
 
+def test_a_rank_keeps_its_dense_vocabulary_rows_as_views_of_the_file(tiny_llama):
+    """A dense rank's slices of the embedding and of the LM head stay views of the memory-mapped file (packing copies
+    the head's); the rows are the file's."""
+    import torch
+
+    from pagedllm.backends.common.memory import checkpoint_mappings, in_mappings
+    from pagedllm.backends.cpu.runner.shard_loading import meta_model_over_files
+    from pagedllm.backends.cpu.runner.sharding import Rank, shard_model, vocab_slice
+
+    model = meta_model_over_files(str(tiny_llama), torch.float32, "sdpa")
+    table = model.get_output_embeddings().weight.detach().clone()
+    shard_model(model, Rank(0, 2))  # rank 0's slice is never padded
+    _, end, _ = vocab_slice(table.shape[0], Rank(0, 2))
+    head, embedding = model.get_output_embeddings().linear.weight, model.get_decoder().embed_tokens.lookup.weight
+    assert in_mappings(head, checkpoint_mappings()) and in_mappings(embedding, checkpoint_mappings())
+    assert torch.equal(head, table[:end])
+
+
 def test_ranks_on_one_machine_meet_through_a_file_and_loopback():
     """No port is opened for the rendezvous of local ranks, and their gloo links stay on loopback."""
     from pagedllm.backends.cpu.tensor_parallel.launch import local_init_method, rank_env, remove_local_rendezvous

@@ -132,23 +132,25 @@ class VocabParallelHead(torch.nn.Module):
         return torch.cat(parts, dim=-1)[..., :self.vocab]
 
 
-def head_slice(head: torch.nn.Linear, start: int, chunk: int, vocab: int,
-               rows: QuantizedWeight | None = None) -> torch.nn.Linear:
+def head_slice(head: torch.nn.Linear, start: int, chunk: int, vocab: int, rows: QuantizedWeight | None = None,
+               checkpoint: list[str] = ()) -> torch.nn.Linear:
     """The head's rows start..start + chunk as a Linear of ``chunk`` rows: slices are equal in size, the last one
     padded with rows that score zero, as gather needs. ``rows``: those rows of a quantized head, already read alone
-    (a GGUF file's)."""
+    (a GGUF file's). Dense rows in a mapping of ``checkpoint`` stay a view of the file (packing copies them)."""
     end = min(start + chunk, vocab)
     weight = quantized_weight(head)
     if rows is None and weight is not None:
         rows = weight.rows(slice(start, end))
     part = torch.nn.Linear(head.in_features, chunk, bias=head.bias is not None, dtype=head.weight.dtype,
-                           device="meta" if rows is not None else None)
+                           device="meta")
     with torch.no_grad():
         if rows is not None:  # the padding rows: zero values, scales and offsets
             attach(part, concatenate([rows, _zero_rows(rows, chunk - end + start)]))
         else:
-            part.weight.zero_()
-            part.weight[:end - start].copy_(head.weight[start:end])
+            dense = head.weight.detach()[start:end]
+            if end - start < chunk or not in_mappings(dense, checkpoint):  # a view of a table would keep it whole
+                dense = F.pad(dense, (0, 0, 0, chunk - end + start))  # a copy, even unpadded
+            part.weight = torch.nn.Parameter(dense, requires_grad=False)
         if head.bias is not None:
             part.bias = torch.nn.Parameter(F.pad(head.bias[start:end], (0, chunk - end + start)), requires_grad=False)
     return part
@@ -184,7 +186,7 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
     # a GGUF file's head and embedding are sharded as they are read; a tied head is the embedding's weight: first
     embedding, head = decoder.embed_tokens, model.lm_head
     if not isinstance(head, VocabParallelHead):
-        model.lm_head = VocabParallelHead(head_slice(head, start, chunk, vocab), vocab, rank)
+        model.lm_head = VocabParallelHead(head_slice(head, start, chunk, vocab, checkpoint=checkpoint), vocab, rank)
     if not isinstance(embedding, VocabParallelEmbedding):
         rows = embedding.weight.detach()[start:end]
         if not in_mappings(rows, checkpoint):  # a view of the file's rows stays file-backed; of a table, keeps it all
