@@ -42,6 +42,9 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     with init_empty_weights():  # parameters on the meta device; buffers (RoPE's frequencies) made for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     reader = open_gguf(gguf_file)
+    # the tokenizer comes from config_dir: its fields (a Llama-3 vocabulary's, ~250 MB of small arrays) go at once
+    for name in [name for name in reader.fields if name.startswith("tokenizer.")]:
+        del reader.fields[name]
     processor, to_hf = _name_mapping(reader, model)
     linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     head = model.get_output_embeddings()
