@@ -77,11 +77,13 @@ def in_mappings(tensor, regions: list[str]) -> bool:
     """Whether ``tensor``'s data lies in one of the mappings ``regions`` (from checkpoint_mappings): a view of a
     checkpoint file, resident only where it has been read."""
     address = tensor.data_ptr()
-    for line in regions:
-        start, end = (int(bound, 16) for bound in line.split(maxsplit=1)[0].split("-"))
-        if start <= address < end:
-            return True
-    return False
+    return any(start <= address < end for start, end in map(_bounds, regions))
+
+
+def _bounds(region: str) -> tuple[int, int]:
+    """(start, end) addresses of a /proc/self/maps line."""
+    start, end = (int(bound, 16) for bound in region.split(maxsplit=1)[0].split("-"))
+    return start, end
 
 
 def drop_checkpoint_pages(regions: list[str]) -> None:
@@ -96,7 +98,7 @@ def drop_checkpoint_pages(regions: list[str]) -> None:
         mapped = set(f.read().splitlines())
     for line in regions:
         if line in mapped:
-            start, end = (int(bound, 16) for bound in line.split(maxsplit=1)[0].split("-"))
+            start, end = _bounds(line)
             madvise(start, end - start, MADV_DONTNEED)
 
 

@@ -147,13 +147,22 @@ def head_slice(head: torch.nn.Linear, start: int, chunk: int, vocab: int, rows: 
         if rows is not None:  # the padding rows: zero values, scales and offsets
             attach(part, concatenate([rows, _zero_rows(rows, chunk - end + start)]))
         else:
-            dense = head.weight.detach()[start:end]
-            if end - start < chunk or not in_mappings(dense, checkpoint):  # a view of a table would keep it whole
-                dense = F.pad(dense, (0, 0, 0, chunk - end + start))  # a copy, even unpadded
+            dense = _row_slice(head.weight, start, end, checkpoint, chunk)
             part.weight = torch.nn.Parameter(dense, requires_grad=False)
         if head.bias is not None:
             part.bias = torch.nn.Parameter(F.pad(head.bias[start:end], (0, chunk - end + start)), requires_grad=False)
     return part
+
+
+def _row_slice(weight: torch.Tensor, start: int, end: int, checkpoint: list[str],
+               padded_to: int = 0) -> torch.Tensor:
+    """``weight``'s rows start..end, then zero rows up to ``padded_to``: a view where they lie in a mapping of
+    ``checkpoint`` (file-backed, resident only where read), else a copy (a view would keep the whole table)."""
+    rows = weight.detach()[start:end]
+    padding = max(padded_to - (end - start), 0)
+    if padding or not in_mappings(rows, checkpoint):
+        rows = F.pad(rows, (0, 0, 0, padding))  # a copy, even unpadded
+    return rows
 
 
 def use_head_slice(model: torch.nn.Module, rows: QuantizedWeight, rank: Rank) -> QuantizedWeight:
@@ -188,9 +197,7 @@ def shard_model(model: torch.nn.Module, rank: Rank) -> None:
     if not isinstance(head, VocabParallelHead):
         model.lm_head = VocabParallelHead(head_slice(head, start, chunk, vocab, checkpoint=checkpoint), vocab, rank)
     if not isinstance(embedding, VocabParallelEmbedding):
-        rows = embedding.weight.detach()[start:end]
-        if not in_mappings(rows, checkpoint):  # a view of the file's rows stays file-backed; of a table, keeps it all
-            rows = rows.clone()
+        rows = _row_slice(embedding.weight, start, end, checkpoint)
         decoder.embed_tokens = VocabParallelEmbedding(torch.nn.Embedding.from_pretrained(rows), start, end, rank)
     drop_checkpoint_pages(checkpoint)
 
