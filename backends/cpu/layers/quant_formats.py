@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 CHUNK = 32  # inputs per 4-bit chunk of 16 bytes: byte i holds input i (low nibble) and input i + 16 (high)
 GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -237,32 +238,40 @@ class PanelWeight:
         return *self.layout, self.out_features
 
 
+PANELS_PER_PIECE = 256  # to_panels' pieces: 4096 rows
+
+
 def to_panels(weight: QuantizedWeight) -> PanelWeight:
     """``weight`` in panels of 16 columns (the last one padded with zero columns), converted a few thousand rows at a
-    time so that an LM head's conversion holds little more than its result."""
+    time, scales and offsets too, so that an LM head's conversion holds little more than its result."""
     n, k, bits = weight.out_features, weight.in_features, weight.bits
     panels, groups = -(-n // PANEL), weight.scales.shape[1]
     values = torch.empty(panels, k * PANEL * bits // 8, dtype=torch.uint8)
-    by_column = {"scales": torch.zeros(panels * PANEL, groups), "offsets": torch.zeros(panels * PANEL, groups)}
-    step = 256  # panels per piece
+    scales, offsets = torch.empty(panels, groups, PANEL), torch.empty(panels, groups, PANEL)
+    # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets; GGUF's float16 scales half the bytes
+    symmetric = {z: True for z in (8, 128, 32) if z < 2 ** bits}
+    halves = True
+    step = PANELS_PER_PIECE
     for first in range(0, panels, step):
         rows = slice(first * PANEL, min(n, (first + step) * PANEL))
         count = min(step, panels - first)
-        u = unpack_values(weight.values[rows], bits)
-        if u.shape[0] < count * PANEL:
-            u = torch.cat([u, u.new_zeros(count * PANEL - u.shape[0], k)])
+        padding = count * PANEL - (rows.stop - rows.start)
+        u = F.pad(unpack_values(weight.values[rows], bits), (0, 0, 0, padding))
         if bits == 4:  # a lane's bytes: inputs 0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4 of each 8
             lanes = u.reshape(count, PANEL, k // 8, 8).transpose(1, 2)
             packed = lanes[..., [0, 4, 1, 5]] | (lanes[..., [2, 6, 3, 7]] << 4)
         else:  # a lane's bytes: inputs 0, 2, 1, 3 of each 4
             packed = u.reshape(count, PANEL, k // 4, 4).transpose(1, 2)[..., [0, 2, 1, 3]]
         values[first:first + count] = packed.reshape(count, -1)
-    by_column["scales"][:n], by_column["offsets"][:n] = weight.scales, weight.offsets
-    scales, offsets = (t.reshape(panels, PANEL, groups).transpose(1, 2).contiguous() for t in by_column.values())
-    # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets
-    zero = next((z for z in (8, 128, 32) if z < 2 ** bits and torch.equal(offsets, -z * scales)), 0)
+        scale, offset = (F.pad(t[rows], (0, 0, 0, padding)) for t in (weight.scales, weight.offsets))
+        scales[first:first + count] = scale.reshape(count, PANEL, groups).transpose(1, 2)
+        offsets[first:first + count] = offset.reshape(count, PANEL, groups).transpose(1, 2)
+        for z in symmetric:
+            symmetric[z] = symmetric[z] and torch.equal(offset, -z * scale)
+        halves = halves and all(torch.equal(t.half().float(), t) for t in (scale, offset))
+    zero = next((z for z, equal in symmetric.items() if equal), 0)
     if zero:
         offsets = scales.new_empty(panels, 0, PANEL)
-    if all(torch.equal(t.half().float(), t) for t in (scales, offsets)):  # GGUF's float16 scales: half the bytes
+    if halves:
         scales, offsets = scales.half(), offsets.half()
     return PanelWeight(values, scales, offsets, bits, weight.group, zero, weight.format, n)
