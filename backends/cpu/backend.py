@@ -115,8 +115,7 @@ class CPUBackend(Backend):
     def load_model(self) -> ModelInfo:
         import torch
 
-        from pagedllm.backends.cpu.runner.allocator import (free_loading_buffers_at_once, keep_freed_memory,
-                                                            return_loading_memory)
+        from pagedllm.backends.cpu.runner.allocator import loading_weights
         from pagedllm.backends.cpu.runner.kernels import attention_mode, load_kernels
         from pagedllm.backends.cpu.runner.model_runner import ModelRunner
         from pagedllm.backends.cpu.runner.threads import ThreadBinder
@@ -138,7 +137,6 @@ class CPUBackend(Backend):
         logger.info("threads: %s", self.thread_plan.describe())
         for warning in self.thread_plan.warnings:
             logger.warning("%s", warning)
-        free_loading_buffers_at_once()
         kernels, self.attention_path = load_kernels(attention_mode())
         logger.info("attention: %s", self.attention_path)
         if kernels is None and self.quantization != "none" and self.config.backend_options["quantization"] == "auto":
@@ -149,9 +147,8 @@ class CPUBackend(Backend):
                                   quantization=self.quantization, gguf_file=self._gguf_file(),
                                   batch_invariant=self.config.batch_invariant,
                                   int8_activations=self.int8_activations, enable_lora=self.config.enable_lora)
-        info = self.runner.load()
-        return_loading_memory()
-        logger.info("%s", keep_freed_memory())
+        with loading_weights():
+            info = self.runner.load()
         return info
 
     def _load_encoder(self) -> ModelInfo:

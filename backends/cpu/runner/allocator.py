@@ -8,13 +8,17 @@ price is a resident size that stays at the step's high-water mark, which a servi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import glob
+import logging
 import os
 import platform
 
 from pagedllm.backends.common.memory import tcmalloc_loaded
+
+logger = logging.getLogger("pagedllm.cpu")
 
 _SEARCH = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
@@ -73,3 +77,13 @@ def return_loading_memory() -> None:
     it stays resident for good, since steps reuse only their own blocks (glibc; TCMalloc releases its own)."""
     if not tcmalloc_loaded() and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).malloc_trim(0)
+
+
+@contextlib.contextmanager
+def loading_weights():
+    """Around a model's loading, in one process or a TP rank: large blocks mapped apart while the weights load, then
+    what loading freed handed back and malloc tuned for the steps (logged)."""
+    free_loading_buffers_at_once()
+    yield
+    return_loading_memory()
+    logger.info("%s", keep_freed_memory())

@@ -82,7 +82,7 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
                 continue  # the head shares the embedding's dense rows (tie_weights below)
             if name == hf_name and len(names) > 1 and head_quantized and lookup_in_head:
                 continue
-            if name == embedding_name and not (tied and not head_quantized):
+            if name == embedding_name and (head_quantized or not tied):
                 # a head tied to it as dense rows would need the whole table: not here
                 rows = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data[start:end], tensor.tensor_type)))
                 model.get_decoder().embed_tokens = VocabParallelEmbedding(

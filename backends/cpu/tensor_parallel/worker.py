@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.backends.common.cpu_binding import ThreadPlan
-from pagedllm.backends.cpu.runner.allocator import (free_loading_buffers_at_once, keep_freed_memory,
-                                                    return_loading_memory)
+from pagedllm.backends.cpu.runner.allocator import loading_weights
 from pagedllm.backends.cpu.runner.kernels import load_kernels
 from pagedllm.backends.cpu.runner.model_runner import ModelRunner
 from pagedllm.backends.cpu.runner.sharding import Rank, parameter_bytes
@@ -82,10 +81,8 @@ class Worker:
                                   binder, kernels, DTYPES[m["residual_dtype"]], Rank(self.rank, self.world_size),
                                   quantization=m["quantization"], gguf_file=m["gguf_file"],
                                   batch_invariant=m["batch_invariant"], int8_activations=m["int8_activations"])
-        free_loading_buffers_at_once()
-        info = self.runner.load()
-        return_loading_memory()
-        logger.info("%s", keep_freed_memory())
+        with loading_weights():
+            info = self.runner.load()
         report = {"rank": self.rank, "host": socket.gethostname(), "threads": self.plan.describe(),
                   "shard_bytes": parameter_bytes(self.runner.model), "kv_heads": self.runner.local_kv_heads,
                   "attention": attention_path}
