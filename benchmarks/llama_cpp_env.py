@@ -1,10 +1,10 @@
 """llama.cpp (through llama-cpp-python) in a virtual environment of its own, cached outside the repo.
 
-llama-cpp-python's PyPI release is a source package: pip builds llama.cpp from it with CMake, here for the
-x86-64 instruction sets up to AVX-512 with VNNI and BF16 (what Zen 4/5 and Xeons have). Not AMX: this release's AMX
-kernels die of SIGILL on their first tile load on the AMX Xeon this was measured on (``GGML_NATIVE=ON`` turns
-them on), so llama.cpp runs its AVX-512 kernels there. The wheel is built once and cached; the venv holds it and
-numpy.
+llama-cpp-python's PyPI release is a source package: pip builds llama.cpp from it with CMake, for this CPU's kind:
+the x86-64 instruction sets up to AVX-512 with VNNI and BF16 where the CPU has AVX-512 (Zen 4/5, Xeons), else up to
+AVX2 (a build with AVX-512 dies of SIGILL there). Not AMX: this release's AMX kernels die of SIGILL on their first
+tile load on the AMX Xeon this was measured on (``GGML_NATIVE=ON`` turns them on), so llama.cpp runs its AVX-512
+kernels there. Each kind's wheel is built once and cached; its venv holds it and numpy.
 """
 
 from __future__ import annotations
@@ -18,20 +18,32 @@ import time
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-LLAMA_CPP_PYTHON_VERSION_TAG = "avx512"  # which build the cached wheel is
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-              "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-              "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF")
+_AVX2_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+_OFF_ARGS = "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
+# CMake arguments of each kind of build (the cached wheel's tag)
+CMAKE_ARGS_BY_TAG = {
+    "avx512": _AVX2_ARGS + "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+              + _OFF_ARGS,
+    "avx2": _AVX2_ARGS + "-DGGML_AVX512=OFF " + _OFF_ARGS,
+}
+
+
+def build_tag() -> str:
+    """The kind of build this CPU runs: avx512 where it has AVX-512 F, BW, VL, VBMI, VNNI and BF16, else avx2."""
+    from pagedllm.backends.common.cpu_features import cpu_flags
+
+    wanted = {"avx512f", "avx512bw", "avx512vl", "avx512_vbmi", "avx512_vnni", "avx512_bf16"}
+    return "avx512" if wanted <= cpu_flags() else "avx2"
 MARKER = "pagedllm-setup.json"
 
 
 def default_venv_dir() -> Path:
-    """$PAGEDLLM_LLAMA_CPP_VENV, else llama-cpp-venv in pagedllm's cache directory."""
+    """$PAGEDLLM_LLAMA_CPP_VENV, else llama-cpp-venv-<build tag> in pagedllm's cache directory."""
     if env := os.environ.get("PAGEDLLM_LLAMA_CPP_VENV"):
         return Path(env)
     from pagedllm.models.source import cache_dir
 
-    return cache_dir() / "llama-cpp-venv"
+    return cache_dir() / f"llama-cpp-venv-{build_tag()}"
 
 
 def venv_python(venv: Path) -> Path:
@@ -49,12 +61,14 @@ def ensure_venv(venv: Path, log=sys.stderr) -> dict:
     if marker.is_file():
         return json.loads(marker.read_text())
     start = time.time()
-    wheels = venv.parent / "wheels" / LLAMA_CPP_PYTHON_VERSION_TAG
+    tag = build_tag()
+    cmake_args = CMAKE_ARGS_BY_TAG[tag]
+    wheels = venv.parent / "wheels" / tag
     wheel = next(iter(sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-*.whl"))), None)
     if wheel is None:
         print(f"building llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} from source (llama.cpp with CMake, "
-              f"{CMAKE_ARGS}; several minutes on 2 cores)", file=log, flush=True)
-        env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+              f"{cmake_args}; several minutes on 2 cores)", file=log, flush=True)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
         _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-binary", "llama-cpp-python",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-w", wheels], log, env)
         wheel = next(iter(sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}-*.whl"))))
@@ -63,7 +77,7 @@ def ensure_venv(venv: Path, log=sys.stderr) -> dict:
     python = venv_python(venv)
     _run([python, "-m", "pip", "install", "-q", "numpy", "typing-extensions", "diskcache", "jinja2"], log)
     _run([python, "-m", "pip", "install", "-q", "--no-deps", wheel], log)
-    record = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "wheel": str(wheel), "cmake_args": CMAKE_ARGS,
+    record = {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "wheel": str(wheel), "cmake_args": cmake_args,
               "setup_seconds": time.time() - start}
     marker.write_text(json.dumps(record))
     return record
