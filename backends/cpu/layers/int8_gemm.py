@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.backends.common import cpu_features
 from pagedllm.backends.cpu.layers.quant_formats import QuantizedWeight, unpack_values
 
 INT8_FORMAT = "int8"
@@ -21,10 +22,17 @@ def int8_gemm_available() -> bool:
             and hasattr(torch.ops.onednn, "qlinear_prepack"))
 
 
+def exact_int8_products() -> bool:
+    """Whether oneDNN's int8 GEMM sums exactly here: it needs VNNI's dot products. Without them (AVX2 alone) it
+    multiplies u8 by s8 with vpmaddubsw, whose 16-bit pair sums saturate, and outputs can be far off."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_features.cpu_flags())
+
+
 def takes_int8_gemm(weight: QuantizedWeight, bf16: bool, kernels) -> bool:
-    """W8A8 through oneDNN for ``int8`` weights of a bf16 model; float32 models keep the exact dequantizing path."""
+    """W8A8 through oneDNN for ``int8`` weights of a bf16 model on a CPU with VNNI; float32 models (and CPUs without
+    VNNI) keep the panels' kernels, whose integer sums are exact."""
     return (weight.format == INT8_FORMAT and bf16 and kernels is not None
-            and hasattr(kernels, "quantize_rows_int8") and int8_gemm_available())
+            and hasattr(kernels, "quantize_rows_int8") and int8_gemm_available() and exact_int8_products())
 
 
 def signed_int8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
