@@ -1,11 +1,14 @@
-"""One linear layer of the Llama-3.2-1B shape on quantized weights against the dense bf16 layer the cpu backend runs,
-by row count, as ratios (dense time / quantized time: above 1 is faster than dense).
+"""One linear layer of the Llama-3.2-1B shape on quantized weights against the dense layer the cpu backend runs in
+the same dtype, by row count, as ratios (dense time / quantized time: above 1 is faster than dense).
 
-Paths: ``int8`` (csrc/quantized_linear.cpp: activations quantized to int8 per 32 inputs, integer dot products),
-``bf16`` (csrc/quantized_linear_bf16.cpp: weights dequantized to bf16 tiles for brgemm) and, for reference,
-``dequantize`` (the whole weight dequantized per call, then torch's GEMM). Run on a quiet machine:
+bf16 paths: ``int8`` (csrc/quantized_linear.cpp: activations quantized to int8 per 32 inputs, integer dot
+products), ``bf16`` (csrc/quantized_linear_bf16.cpp: weights dequantized to bf16 tiles for brgemm), ``gemv_bf16``
+(its few-row kernel). float32 paths (any x86-64 CPU): ``float`` (csrc/quantized_linear.cpp's streaming kernel,
+weights dequantized in registers) and ``tiles_f32`` (csrc/quantized_linear_f32.cpp: float32 blocks for the GEMM).
+Both: ``dequantize`` (the whole weight dequantized per call, then torch's GEMM), for reference. Run on a quiet
+machine:
 
-    python benchmarks/quantized_linear.py [--formats q4_0,q8_0] [--rows 1,4,16,64,256]
+    python benchmarks/quantized_linear.py [--dtype bfloat16|float32] [--formats q4_0,q8_0] [--rows 1,4,16,64,256]
 """
 
 from __future__ import annotations
@@ -45,35 +48,42 @@ def main() -> None:
     parser.add_argument("--formats", default="q4_0,q8_0")
     parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     kernels, _ = load_kernels("kernel")
     torch.set_num_threads(torch.get_num_threads())
     print(describe_cpu(), flush=True)
     results = []
     for name, n, k in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         weight = torch.randn(n, k) * 0.02
-        dense = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).bfloat16()
+        dense = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(dtype)
         dense[0].weight.data.copy_(weight)
         use_packed_linears(dense, kernels)
         for fmt in args.formats.split(","):
             q = quantize(weight, fmt)
             quantized = (*to_panels(q).arguments, None)
             for m in (int(r) for r in args.rows.split(",")):
-                x = torch.randn(m, k).bfloat16()
+                x = torch.randn(m, k).to(dtype)
                 repeat = max(1, int(4e8 / (2 * m * n * k + n * k * 8)))
-                paths = {
-                    "dense": lambda: dense(x),
-                    "int8": lambda: kernels.quantized_linear(x, *quantized, False, True),
-                    "bf16": lambda: kernels.quantized_linear_bf16(x, *quantized, False),
-                    "gemv_bf16": lambda: kernels.quantized_gemv_bf16(x, *quantized, False),
-                    "dequantize": lambda: torch.nn.functional.linear(
-                        x, kernels.dequantize_weight(*quantized[:7], True)),
-                }
+                paths = {"dense": lambda: dense(x)}
+                if dtype == torch.bfloat16:
+                    paths.update({
+                        "int8": lambda: kernels.quantized_linear(x, *quantized, False, True),
+                        "bf16": lambda: kernels.quantized_linear_bf16(x, *quantized, False),
+                        "gemv_bf16": lambda: kernels.quantized_gemv_bf16(x, *quantized, False)})
+                else:
+                    paths.update({
+                        "float": lambda: kernels.quantized_linear(x, *quantized, False, False),
+                        "tiles_f32": lambda: kernels.quantized_linear_tiles_f32(x, *quantized, False)})
+                paths["dequantize"] = lambda: torch.nn.functional.linear(
+                    x, kernels.dequantize_weight(*quantized[:7], dtype == torch.bfloat16))
                 with torch.inference_mode():
                     times = best_seconds(paths, repeat)
+                tiles = "bf16" if dtype == torch.bfloat16 else "tiles_f32"
                 row = {"shape": name, "format": fmt, "rows": m, "dense_ms": round(times["dense"] * 1e3, 3),
                        **{f"{p}_vs_dense": round(times["dense"] / t, 3) for p, t in times.items() if p != "dense"},
-                       "bf16_weight_GBps": round(q.nbytes / times["bf16"] / 1e9, 1)}
+                       f"{tiles}_weight_GBps": round(q.nbytes / times[tiles] / 1e9, 1)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
 

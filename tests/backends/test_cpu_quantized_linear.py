@@ -180,6 +180,33 @@ def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
 
 
 @pytest.mark.cpu_isa
+@pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
+def test_float32_tiles_equal_the_gemm_over_the_dequantized_weight(kernels, type_name):
+    """Many rows of a float32 model: blocks of 64 columns dequantized as dequantize_weight does, then the register
+    tiles (row tails, a last panel of 8 columns) or, above 256 rows, torch's GEMM; one block (split over the rows to
+    keep both threads busy), several and a short last one, a bias; bf16 rows are widened and the output rounded
+    back."""
+    torch.manual_seed(0)
+    in_features = 768 if type_name.endswith("_K") else 96
+    for out_features in (40, 288):
+        raw = gguf_blocks(type_name, out_features, in_features, seed=2)
+        weight = qf.from_gguf(raw, type_name, out_features, in_features)
+        bias = torch.randn(out_features)
+        args = (*qf.to_panels(weight).arguments, bias)
+        for rows in (17, 64, 130):  # x [2, rows, in]: 34 to 260 rows
+            x = torch.randn(2, rows, in_features)
+            expected = x @ weight.dequantize().T + bias
+            with torch.inference_mode():  # as a model's step runs it: the threads' GEMMs write inference tensors
+                got = kernels.quantized_linear_tiles_f32(x, *args)
+            assert got.shape == (2, rows, out_features) and got.dtype == torch.float32
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+            rounded = kernels.quantized_linear_tiles_f32(x.bfloat16(), *args)
+            assert rounded.dtype == torch.bfloat16
+            wide = kernels.quantized_linear_tiles_f32(x.bfloat16(), *args, float_output=True)
+            assert wide.dtype == torch.float32 and torch.equal(rounded, wide.bfloat16())
+
+
+@pytest.mark.cpu_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
     """W8A8's passes around oneDNN's GEMM: per-row int8 (round half to even, as torch.round) and the scale back with
@@ -202,10 +229,13 @@ def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
 def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
     """``int8`` weights of a bf16 model through oneDNN's int8 GEMM: x quantized per row times the int8 weight,
     scaled by both; its integer sums are exact, so a row's output does not depend on the rows beside it."""
-    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, Int8GemmSiluAndMul, int8_gemm_available
+    from pagedllm.backends.cpu.layers.int8_gemm import (Int8GemmLinear, Int8GemmSiluAndMul, exact_int8_products,
+                                                        int8_gemm_available)
 
     if not int8_gemm_available():
         pytest.skip("torch has no oneDNN quantized linear here")
+    if not exact_int8_products():
+        pytest.skip("oneDNN's int8 GEMM saturates without VNNI (the backend keeps the panels' kernels there)")
     weight = qf.quantize(torch.randn(48, 256) * 0.05, "int8")
     bias = torch.randn(48)
     layer = Int8GemmLinear(weight, bias, kernels)
@@ -304,10 +334,12 @@ def test_bf16_dot_products_close_to_float32(tiny_llama, prompts, kernels, int8_a
 def test_int8_on_a_bf16_model_takes_the_int8_gemm(tiny_llama, prompts, kernels):
     """``--quantization int8`` on a bf16 model is W8A8 through oneDNN (vLLM CPU's): its first tokens agree with the
     float32 path's on the same int8 weights."""
-    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, int8_gemm_available
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, exact_int8_products, int8_gemm_available
 
     if not int8_gemm_available():
         pytest.skip("torch has no oneDNN quantized linear here")
+    if not exact_int8_products():
+        pytest.skip("oneDNN's int8 GEMM saturates without VNNI (the backend keeps the panels' kernels there)")
     exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="int8", max_model_len=256,
                        kv_cache_space=0.05), prompts, 4)
     llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", max_model_len=256, kv_cache_space=0.05,

@@ -40,6 +40,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
                             const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
                             const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations);
+at::Tensor quantized_linear_tiles_f32(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                                      const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                      int64_t out_features, const c10::optional<at::Tensor>& bias,
+                                      bool float_output);
 bool quantized_linear_bf16_available();
 at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                                  const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
@@ -101,6 +105,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false,
         py::arg("int8_activations") = true);
+  m.def("quantized_linear_tiles_f32", &quantized_linear_tiles_f32,
+        "x @ W.T + bias for many rows over a block-quantized weight, dequantized to float32 blocks for the GEMM",
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false);
   m.def("quantized_linear_bf16_available", &quantized_linear_bf16_available,
         "whether this build has quantized_linear_bf16 (AVX512_BF16)");
   m.def("quantized_linear_bf16", &quantized_linear_bf16,

@@ -18,11 +18,7 @@
 #include <memory>
 #include <vector>
 
-#include "quantized_weights.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "quantized_lanes.h"
 
 namespace {
 
@@ -31,6 +27,10 @@ using pagedllm::kLoadBytes;
 using pagedllm::kPanel;
 using pagedllm::kPrefetchLoads;
 using Weights = pagedllm::QuantizedWeights;
+#if PAGEDLLM_QUANT_SIMD
+using pagedllm::kLanes;
+using pagedllm::Lanes;
+#endif
 constexpr int kRows = 4;  // rows summed against one pass over a panel
 
 // The rows as float32 [m, k] (bf16 widened), contiguous.
@@ -99,91 +99,7 @@ void float_panel_scalar(const Weights& w, int64_t p, const float* x, int64_t r0,
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define PAGEDLLM_QUANT_SIMD 1
-// One vector of lanes per ISA: AVX-512 covers a panel's 16 columns in one register, AVX2 in two halves of 8.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-struct Lanes {
-  static constexpr int halves = 1;
-  using I = __m512i;
-  using F = __m512;
-  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-  static I zeroi() { return _mm512_setzero_si512(); }
-  static I band(I a, I b) { return _mm512_and_si512(a, b); }
-  static I shr(I a, int bits) { return _mm512_srli_epi32(a, bits); }
-  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I shl4(I a) { return _mm512_slli_epi32(a, 4); }
-  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-  static F loadh(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
-  static F set1f(float v) { return _mm512_set1_ps(v); }
-  static F zerof() { return _mm512_setzero_ps(); }
-  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  // acc + per lane the sum of 4 products of unsigned bytes u (each below 16) and signed bytes a
-  static I dot4(I acc, I u, I a) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, u, a);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
-#endif
-  }
-  // the same for any unsigned bytes (vpmaddubsw would saturate: 16 * high nibbles + low nibbles)
-  static I dot8(I acc, I u, I a) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, u, a);
-#else
-    const I mask = set1(0x0F0F0F0F);
-    const I high = dot4(zeroi(), band(_mm512_srli_epi16(u, 4), mask), a);
-    return addi(dot4(acc, band(u, mask), a), shl4(high));
-#endif
-  }
-};
-#else
-struct Lanes {
-  static constexpr int halves = 2;
-  using I = __m256i;
-  using F = __m256;
-  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  static I zeroi() { return _mm256_setzero_si256(); }
-  static I band(I a, I b) { return _mm256_and_si256(a, b); }
-  static I shr(I a, int bits) { return _mm256_srli_epi32(a, bits); }
-  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I shl4(I a) { return _mm256_slli_epi32(a, 4); }
-  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
-  static F loadh(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
-  static F set1f(float v) { return _mm256_set1_ps(v); }
-  static F zerof() { return _mm256_setzero_ps(); }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static I dot4(I acc, I u, I a) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
-  }
-  static I dot8(I acc, I u, I a) {
-    const I mask = set1(0x0F0F0F0F);
-    const I high = dot4(zeroi(), band(_mm256_srli_epi16(u, 4), mask), a);
-    return addi(dot4(acc, band(u, mask), a), shl4(high));
-  }
-};
-#endif
-constexpr int kLanes = kPanel / Lanes::halves;
-
-// Half h of the 16 scales or offsets of panel p, group g.
-inline Lanes::F group_lanes(const Weights& w, const void* table, int64_t p, int64_t g, int h) {
-  const char* first = static_cast<const char*>(w.of_group(table, p, g));
-  return w.half ? Lanes::loadh(first + h * kLanes * 2)
-                : Lanes::loadf(reinterpret_cast<const float*>(first) + h * kLanes);
-}
-
-inline Lanes::F offset_lanes(const Weights& w, Lanes::F scale, int64_t p, int64_t g, int h) {
-  return w.zero > 0 ? Lanes::mul(scale, Lanes::set1f(static_cast<float>(-w.zero))) : group_lanes(w, w.offsets, p, g, h);
-}
-
+#if PAGEDLLM_QUANT_SIMD
 // The int8 path over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's bytes with the
 // rows' int8 activations, then scaled by the column's scale and the chunk's activation scale, plus the offsets'
 // term. `sums` gets [R][16].
@@ -226,15 +142,18 @@ void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t
 }
 
 // The float path over panel p: each load's inputs dequantized to float32 (16 columns at a time) and multiplied by
-// every row's input, in order.
+// every row's input. Each row sums into C independent accumulators (inputs alternating), added at the end: one
+// chain of dependent multiply-adds per row would wait on the FMA's latency at every input.
 template <int R, int Bits>
 void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float* sums) {
+  constexpr int C = R == 1 ? 4 : 2;
   const uint8_t* panel = w.panel(p);
   const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
   const Lanes::I mask = Lanes::set1(Bits == 4 ? 0x0F : 0xFF);
   for (int h = 0; h < Lanes::halves; ++h) {
-    Lanes::F acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
+    Lanes::F acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zerof();
     for (int64_t g = 0; g < w.groups; ++g) {
       const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
       for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
@@ -243,11 +162,16 @@ void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float*
         for (int e = 0; e < per_load; ++e) {
           const Lanes::F weight = Lanes::fma(Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask)), scale, offset);
           const int64_t i = l * per_load + (Bits == 4 ? pagedllm::kInputOfNibble[e] : pagedllm::kInputOfByte[e]);
-          for (int r = 0; r < R; ++r) acc[r] = Lanes::fma(weight, Lanes::set1f(x[(r0 + r) * w.k + i]), acc[r]);
+          for (int r = 0; r < R; ++r)
+            acc[r][e % C] = Lanes::fma(weight, Lanes::set1f(x[(r0 + r) * w.k + i]), acc[r][e % C]);
         }
       }
     }
-    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      Lanes::F total = acc[r][0];
+      for (int c = 1; c < C; ++c) total = Lanes::add(total, acc[r][c]);
+      Lanes::store(sums + r * kPanel + h * kLanes, total);
+    }
   }
 }
 
@@ -263,8 +187,6 @@ inline void with_rows(int64_t rows, const Run& run) {
     default: return run(std::integral_constant<int, 1>{});
   }
 }
-#else
-#define PAGEDLLM_QUANT_SIMD 0
 #endif
 
 // Sums [rows][16] of panel p for rows r0.. through the int8 path.

@@ -2,7 +2,8 @@
 
 A decode step's few rows go through a streaming kernel, which reads each weight once per step: batch-1 decode is
 bound by the bytes of weights it reads. More rows (prompt chunks, large batches) are compute-bound: the weight is
-dequantized to tiles (bf16 models) or whole (float32 models) for the dense GEMM.
+dequantized a block at a time to bf16 tiles for brgemm (bf16 models) or to float32 blocks for register tiles and
+MKL's GEMM (float32 models, csrc/quantized_linear_f32.cpp).
 
 Until the linears are swapped, a quantized weight rides on its nn.Linear (``attach``), whose dense weight becomes a
 meta tensor, so that sharding and fusing carry it along without holding the dense weights.
@@ -11,12 +12,11 @@ meta tensor, so that sharding and fusing carry it along without holding the dens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.backends.cpu.layers.quant_formats import PANEL, QuantizedWeight, to_panels
 
 QUANTIZED_WEIGHT = "quantized_weight"
-# float32 models: up to this many rows the quantized kernel runs; above, the dequantized weight and the dense GEMM.
+# float32 models: up to this many rows the streaming kernel runs; above, float32 blocks for the GEMM.
 SMALL_ROWS = 16
 # bf16 models: up to this many rows (by bits per value) each panel's values are dotted with every row as they stream
 # by (a decode step's few rows); above, bf16 tiles for brgemm, whose matrix units win from there on (see
@@ -52,9 +52,9 @@ class QuantizedLinear(torch.nn.Module):
     weights unrounded, and dequantize them to bf16 tiles for brgemm above, so their activations stay bf16 as in the
     dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs for the few rows
     instead and take integer dot products (as llama.cpp: faster, less precise). float32 models dequantize each
-    weight to float32 in the kernel up to SMALL_ROWS rows (the exact path), the whole weight for the dense GEMM
-    above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every row count on one
-    kernel (batch invariance: each path sums in its own order)."""
+    weight to float32 in registers up to SMALL_ROWS rows (the exact path), and a block of 64 columns at a time to
+    float32 for the GEMM above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
+    row count on one kernel (batch invariance: each path sums in its own order)."""
 
     is_quantized = True  # quantized_bytes and quantized_path look for it (as on int8_gemm.Int8GemmLinear)
 
@@ -70,8 +70,8 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("offsets", panels.offsets)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.bf16_kernels = bf16 and kernels.quantized_linear_bf16_available()
-        # int8 activations need a bf16 model; without the bf16 kernels they are its only quantized kernel
-        self.int8_activations = bf16 and (int8_activations or not self.bf16_kernels)
+        # without the bf16 kernels, int8 activations are a bf16 model's only quantized kernel for a few rows
+        self.int8_activations = int8_activations or (bf16 and not self.bf16_kernels)
         # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
         self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
         self.nbytes = sum(t.nbytes for t in (self.values, self.scales, self.offsets))
@@ -101,9 +101,7 @@ class QuantizedLinear(torch.nn.Module):
                 return self._kernels.quantized_gemv_bf16(x, *weight, self.float_output)
         if self.kernel_only or rows <= SMALL_ROWS:
             return self._kernels.quantized_linear(x, *weight, self.float_output, self.int8_activations)
-        dense = self._kernels.dequantize_weight(*weight[:7], x.dtype == torch.bfloat16)
-        out = F.linear(x, dense, None if self.bias is None else self.bias.to(x.dtype))
-        return out.float() if self.float_output else out
+        return self._kernels.quantized_linear_tiles_f32(x, *weight, self.float_output)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

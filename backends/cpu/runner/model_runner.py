@@ -18,7 +18,8 @@ from pagedllm.backends.cpu.layers.fused_layers import use_fused_decoder_layers
 from pagedllm.backends.cpu.layers.lora import StepAdapters, load_adapter, wrap_projections
 from pagedllm.backends.cpu.layers.packed_linear import check_batch_invariant, float32_logits, use_packed_linears
 from pagedllm.backends.cpu.layers.quantized_embedding import embed_from_head
-from pagedllm.backends.cpu.layers.quantized_linear import GEMV_ROWS, INT8_ROWS, quantized_bytes, quantized_path
+from pagedllm.backends.cpu.layers.quantized_linear import (GEMV_ROWS, INT8_ROWS, SMALL_ROWS, quantized_bytes,
+                                                        quantized_path)
 from pagedllm.backends.cpu.layers.rms_norm import use_fused_rms_norms
 from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
@@ -43,8 +44,10 @@ QUANTIZED_PATHS = {
             f"8-bit values), unrounded, and dequantize them to bf16 tiles for brgemm above (as the dense model)",
     "int8 and bf16 tiles": f"quantize their activations to int8 per 32 inputs up to {INT8_ROWS} rows (int8 dot "
                            f"products, as llama.cpp), and dequantize their weights to bf16 tiles for brgemm above",
-    "int8": "quantize their activations to int8 per 32 inputs (int8 dot products, as llama.cpp)",
-    "float32": "dequantize their weights to float32 in the kernel (float32 dot products)",
+    "int8": f"quantize their activations to int8 per 32 inputs up to {SMALL_ROWS} rows (int8 dot products, as "
+            f"llama.cpp), and dequantize their weights to float32 blocks for the GEMM above",
+    "float32": f"dequantize their weights to float32 in registers up to {SMALL_ROWS} rows, and to float32 blocks "
+               f"for the GEMM above (float32 dot products)",
     "int8 GEMM": "quantize their activations to int8 per row and take oneDNN's int8 GEMM (W8A8, as vLLM CPU)"}
 
 
