@@ -106,10 +106,10 @@ class CPUBackend(Backend):
                                              config.data_parallel_size, reserve_for_server=config.serving)[0]
         from pagedllm.backends.cpu.runner.kernels import attention_mode
 
-        bf16_kernels = (_name(self.dtype) == "bfloat16" and attention_mode() != "torch"
-                        and cpu_features.rank(cpu_features.kernel_level()) >= cpu_features.rank("avx512_bf16"))
-        self.quantization = _quantization(options["quantization"], model.kind, bf16_kernels)
-        self.int8_activations = options["int8_activations"] or self.quantization == "int8"
+        self.quantization = _quantization(options["quantization"], model.kind, attention_mode() != "torch")
+        # int8 weights of a bf16 model are W8A8; a float32 model keeps its exact float32 dot products over them
+        self.int8_activations = options["int8_activations"] or (self.quantization == "int8"
+                                                                and _name(self.dtype) == "bfloat16")
         self.runner: ModelRunner | TensorParallelExecutor | None = None
 
     def load_model(self) -> ModelInfo:
@@ -253,13 +253,13 @@ class CPUBackend(Backend):
         self.runner = None
 
 
-def _quantization(requested: str, model_kind: str, bf16_kernels: bool) -> str:
+def _quantization(requested: str, model_kind: str, kernels: bool) -> str:
     """--quantization resolved for the cpu backend (see runner/quantization.py). auto runs a GGUF file's quantized
-    tensors as they are where the bf16 quantized kernels run (a bf16 model on AVX512_BF16): there batches of any
-    size are about as fast as on dense weights. Elsewhere (float32) batches above quantized_linear.SMALL_ROWS rows
-    dequantize whole weights, so auto keeps dense weights (see docs/quantization.md). int4 is q4_0."""
+    tensors as they are wherever the C++ kernels run: bf16 models on their bf16 kernels, float32 ones (CPUs without
+    AVX512_BF16) on the float32 kernels, a decode step's rows streamed and prompts in dequantized tiles (see
+    docs/quantization.md). int4 is q4_0."""
     if requested == "auto":
-        return "gguf" if model_kind == "gguf" and bf16_kernels else "none"
+        return "gguf" if model_kind == "gguf" and kernels else "none"
     if requested == "gguf" and model_kind != "gguf":
         raise ConfigError("--quantization gguf keeps a GGUF file's quantized tensors, and this model is a Hugging "
                           "Face folder: use --quantization q8_0, q4_0 or int8 to quantize it at load")
