@@ -6,8 +6,8 @@
 // Two ways to take the dot products:
 // - int8: activations quantized per 32 inputs to int8 (as llama.cpp's Q8 activations), then integer dot products
 //   (AVX512_VNNI vpdpbusd, else vpmaddubsw), scaled per group; the offsets' term uses the exact float sums.
-// - float: each weight dequantized to float32 in registers, then float32 products (what dequantize + matmul
-//   computes, to float32's rounding): the exact path, for float32 models.
+// - float: the values converted to float32 in registers, float32 products with the activations, scaled per group
+//   (what dequantize + matmul computes, to float32's rounding): the exact path, for float32 models.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -141,37 +141,44 @@ void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t
   }
 }
 
-// The float path over panel p: each load's inputs dequantized to float32 (16 columns at a time) and multiplied by
-// every row's input. Each row sums into C independent accumulators (inputs alternating), added at the end: one
-// chain of dependent multiply-adds per row would wait on the FMA's latency at every input.
+// The float path over panel p: per group, the rows' inputs times the values u (converted to float32 in registers,
+// 16 columns at a time), then scaled: sum(w x) = scale * sum(u x) + offset * sum(x), with the group's sums of x
+// taken once per call (group_sum [m][groups]). Scaling per group, not per weight, leaves three vector operations
+// and the product per 8 weights: this path is bound by them, not by reading the weights. Each row sums into C
+// independent accumulators (inputs alternating): one chain of dependent multiply-adds would wait on the FMA's
+// latency at every input.
 template <int R, int Bits>
-void float_panel(const Weights& w, int64_t p, const float* x, int64_t r0, float* sums) {
+void float_panel(const Weights& w, int64_t p, const float* x, const float* group_sum, int64_t r0, float* sums) {
   constexpr int C = R == 1 ? 4 : 2;
   const uint8_t* panel = w.panel(p);
   const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
   const Lanes::I mask = Lanes::set1(Bits == 4 ? 0x0F : 0xFF);
   for (int h = 0; h < Lanes::halves; ++h) {
-    Lanes::F acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = Lanes::zerof();
+    Lanes::F acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
     for (int64_t g = 0; g < w.groups; ++g) {
-      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
+      Lanes::F dot[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) dot[r][c] = Lanes::zerof();
       for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
         const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
         for (int e = 0; e < per_load; ++e) {
-          const Lanes::F weight = Lanes::fma(Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask)), scale, offset);
+          const Lanes::F u = Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask));
           const int64_t i = l * per_load + (Bits == 4 ? pagedllm::kInputOfNibble[e] : pagedllm::kInputOfByte[e]);
           for (int r = 0; r < R; ++r)
-            acc[r][e % C] = Lanes::fma(weight, Lanes::set1f(x[(r0 + r) * w.k + i]), acc[r][e % C]);
+            dot[r][e % C] = Lanes::fma(u, Lanes::set1f(x[(r0 + r) * w.k + i]), dot[r][e % C]);
         }
       }
+      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
+      for (int r = 0; r < R; ++r) {
+        Lanes::F total = dot[r][0];
+        for (int c = 1; c < C; ++c) total = Lanes::add(total, dot[r][c]);
+        acc[r] = Lanes::fma(total, scale, acc[r]);
+        acc[r] = Lanes::fma(offset, Lanes::set1f(group_sum[(r0 + r) * w.groups + g]), acc[r]);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      Lanes::F total = acc[r][0];
-      for (int c = 1; c < C; ++c) total = Lanes::add(total, acc[r][c]);
-      Lanes::store(sums + r * kPanel + h * kLanes, total);
-    }
+    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
   }
 }
 
@@ -203,17 +210,30 @@ void int8_sums(const Weights& w, int64_t p, const Int8Activations& act, int64_t 
 #endif
 }
 
-void float_sums(const Weights& w, int64_t p, const float* x, int64_t r0, int64_t rows, float* sums) {
+void float_sums(const Weights& w, int64_t p, const float* x, const float* group_sum, int64_t r0, int64_t rows,
+                float* sums) {
 #if PAGEDLLM_QUANT_SIMD
   with_rows<0>(rows, [&](auto r) {
     if (w.bits == 4)
-      float_panel<decltype(r)::value, 4>(w, p, x, r0, sums);
+      float_panel<decltype(r)::value, 4>(w, p, x, group_sum, r0, sums);
     else
-      float_panel<decltype(r)::value, 8>(w, p, x, r0, sums);
+      float_panel<decltype(r)::value, 8>(w, p, x, group_sum, r0, sums);
   });
 #else
   float_panel_scalar(w, p, x, r0, rows, sums);
 #endif
+}
+
+// Per row and group of the weight, the float32 sum of the row's inputs (the offsets' term of the float path).
+std::vector<float> row_group_sums(const float* x, int64_t m, const Weights& w) {
+  std::vector<float> sums(m * w.groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float total = 0.f;
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) total += x[r * w.k + i];
+      sums[r * w.groups + g] = total;
+    }
+  return sums;
 }
 
 void store(const float* sums, int64_t rows, int64_t p, const Weights& w, const float* bias, void* out,
@@ -263,7 +283,11 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const float* xs = rows.data_ptr<float>();
   void* y = out.data_ptr();
   std::unique_ptr<Int8Activations> act;
-  if (int8_activations) act = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
+  std::vector<float> group_sum;
+  if (int8_activations)
+    act = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
+  else
+    group_sum = row_group_sums(xs, m, w);
   at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRows * kPanel];
     for (int64_t p = begin; p < end; ++p)
@@ -272,7 +296,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
         if (int8_activations)
           int8_sums(w, p, *act, r0, count, sums);
         else
-          float_sums(w, p, xs, r0, count, sums);
+          float_sums(w, p, xs, group_sum.data(), r0, count, sums);
         store(sums, count, p, w, bias_ptr, y, as_float, r0);
       }
   });
