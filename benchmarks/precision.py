@@ -41,6 +41,7 @@ CONFIGS = {
     "cpu-fp32-u8": ("cpu", dict(dtype="float32", quantization="none", kv_cache_dtype="u8")),
     "cpu-bf16-dense-u8": ("cpu", dict(dtype="bfloat16", quantization="none", kv_cache_dtype="u8")),
     "cpu-fp32-gguf": ("cpu", dict(dtype="float32", quantization="gguf")),
+    "cpu-fp32-gguf-int8-activations": ("cpu", dict(dtype="float32", quantization="gguf", int8_activations=True)),
     "cpu-bf16-gguf": ("cpu", dict(dtype="bfloat16", quantization="gguf")),
     "cpu-bf16-gguf-int8-activations": ("cpu", dict(dtype="bfloat16", quantization="gguf", int8_activations=True)),
     "cpu-bf16-gguf-u8": ("cpu", dict(dtype="bfloat16", quantization="gguf", kv_cache_dtype="u8")),
