@@ -152,7 +152,8 @@ at::Tensor quantized_linear_tiles_f32(const at::Tensor& x, const at::Tensor& val
         const int64_t r0 = m * part / parts, r1 = m * (part + 1) / parts;
         if (r1 == r0) continue;
         if (b != held) {
-          for (int64_t c = 0; c < width; c += kPanel) dequantize_panel(w, (col0 + c) / kPanel, scratch.get() + c, kBlock);
+          for (int64_t c = 0; c < width; c += kPanel)
+            dequantize_panel(w, (col0 + c) / kPanel, scratch.get() + c, kBlock);
           held = b;
         }
 #if PAGEDLLM_QUANT_SIMD

@@ -51,9 +51,9 @@ class QuantizedLinear(torch.nn.Module):
     models dot the values with their bf16 activations as they stream by for a decode step's few rows (``few_rows``),
     weights unrounded, and dequantize them to bf16 tiles for brgemm above, so their activations stay bf16 as in the
     dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs for the few rows
-    instead and take integer dot products (as llama.cpp: faster, less precise). float32 models dequantize each
-    weight to float32 in registers up to SMALL_ROWS rows (the exact path), and a block of 64 columns at a time to
-    float32 for the GEMM above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
+    instead and take integer dot products (as llama.cpp: faster, less precise). float32 models convert the values
+    to float32 in registers and scale the sums per group up to SMALL_ROWS rows (the exact path), and dequantize a
+    block of 64 columns at a time to float32 for the GEMM above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
     row count on one kernel (batch invariance: each path sums in its own order)."""
 
     is_quantized = True  # quantized_bytes and quantized_path look for it (as on int8_gemm.Int8GemmLinear)
