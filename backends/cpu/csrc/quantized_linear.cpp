@@ -38,6 +38,18 @@ at::Tensor float_rows(const at::Tensor& rows) {
   return rows.scalar_type() == at::kFloat ? rows.contiguous() : rows.to(at::kFloat).contiguous();
 }
 
+// Per row and group of `group` inputs, the float32 sum of the row's inputs (the offsets' term of both paths).
+std::vector<float> row_group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
+  std::vector<float> sums(m * (k / group));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / group; ++g) {
+      float total = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) total += x[r * k + i];
+      sums[r * (k / group) + g] = total;
+    }
+  return sums;
+}
+
 // Activations for the int8 path: per row and chunk of 32 inputs, int8 values q and a scale d with x ~ d * q
 // (d = max |x| / 127), q stored in the weight's int8 order (kInt8Order4/8), and the exact float sum of x over each
 // weight group (the offsets' term).
@@ -47,7 +59,8 @@ struct Int8Activations {
   int64_t chunks, groups;
 
   Int8Activations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
-      : q(m * k), scale(m * (k / kChunk)), group_sum(m * (k / group)), chunks(k / kChunk), groups(k / group) {
+      : q(m * k), scale(m * (k / kChunk)), group_sum(row_group_sums(x, m, k, group)), chunks(k / kChunk),
+        groups(k / group) {
     const int* order = bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8;
     at::parallel_for(0, m * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
@@ -58,11 +71,6 @@ struct Int8Activations {
         scale[c] = d;
         for (int64_t i = 0; i < kChunk; ++i)
           q[c * kChunk + i] = static_cast<int8_t>(std::nearbyint(src[i / 8 * 8 + order[i % 8]] * inverse));
-        for (int64_t part = 0; part < kChunk / group; ++part) {
-          float sum = 0.f;
-          for (int64_t i = part * group; i < (part + 1) * group; ++i) sum += src[i];
-          group_sum[c * (kChunk / group) + part] = sum;
-        }
       }
     });
   }
@@ -224,18 +232,6 @@ void float_sums(const Weights& w, int64_t p, const float* x, const float* group_
 #endif
 }
 
-// Per row and group of the weight, the float32 sum of the row's inputs (the offsets' term of the float path).
-std::vector<float> row_group_sums(const float* x, int64_t m, const Weights& w) {
-  std::vector<float> sums(m * w.groups);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      float total = 0.f;
-      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) total += x[r * w.k + i];
-      sums[r * w.groups + g] = total;
-    }
-  return sums;
-}
-
 void store(const float* sums, int64_t rows, int64_t p, const Weights& w, const float* bias, void* out,
            bool float_output, int64_t r0) {
   const int64_t columns = std::min<int64_t>(kPanel, w.n - p * kPanel);
@@ -287,7 +283,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   if (int8_activations)
     act = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
   else
-    group_sum = row_group_sums(xs, m, w);
+    group_sum = row_group_sums(xs, m, w.k, w.group);
   at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRows * kPanel];
     for (int64_t p = begin; p < end; ++p)
