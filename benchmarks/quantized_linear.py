@@ -3,8 +3,8 @@ the same dtype, by row count, as ratios (dense time / quantized time: above 1 is
 
 bf16 paths: ``int8`` (csrc/quantized_linear.cpp: activations quantized to int8 per 32 inputs, integer dot
 products), ``bf16`` (csrc/quantized_linear_bf16.cpp: weights dequantized to bf16 tiles for brgemm), ``gemv_bf16``
-(its few-row kernel). float32 paths (any x86-64 CPU): ``float`` (csrc/quantized_linear.cpp's streaming kernel,
-weights dequantized in registers) and ``tiles_f32`` (csrc/quantized_linear_f32.cpp: float32 blocks for the GEMM).
+(its few-row kernel). float32 paths (any x86-64 CPU): ``int16`` (csrc/quantized_linear.cpp's streaming kernel with
+int16 activations) and ``tiles_f32`` (csrc/quantized_linear_f32.cpp: float32 blocks for the GEMM).
 Both: ``dequantize`` (the whole weight dequantized per call, then torch's GEMM), for reference. Run on a quiet
 machine:
 
@@ -69,12 +69,12 @@ def main() -> None:
                 paths = {"dense": lambda: dense(x)}
                 if dtype == torch.bfloat16:
                     paths.update({
-                        "int8": lambda: kernels.quantized_linear(x, *quantized, False, True),
+                        "int8": lambda: kernels.quantized_linear(x, *quantized, False, 8),
                         "bf16": lambda: kernels.quantized_linear_bf16(x, *quantized, False),
                         "gemv_bf16": lambda: kernels.quantized_gemv_bf16(x, *quantized, False)})
                 else:
                     paths.update({
-                        "float": lambda: kernels.quantized_linear(x, *quantized, False, False),
+                        "int16": lambda: kernels.quantized_linear(x, *quantized, False, 16),
                         "tiles_f32": lambda: kernels.quantized_linear_tiles_f32(x, *quantized, False)})
                 paths["dequantize"] = lambda: torch.nn.functional.linear(
                     x, kernels.dequantize_weight(*quantized[:7], dtype == torch.bfloat16))

@@ -80,7 +80,7 @@ def test_greedy_equals_transformers_float32(llm, prompts, expected):
 
 
 def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected, monkeypatch):
-    """--quantization gguf: the file's Q4_1 and Q8_0 tensors kept as they are (float32 dot products over them),
+    """--quantization gguf: the file's Q4_1 and Q8_0 tensors kept as they are (int16 activations in decode steps),
     loaded without a dense copy of the model, chunked prefill in chunks of 24 tokens and prefix caching on."""
     from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
 

@@ -17,5 +17,6 @@ QUANTIZATION = Setting(
 INT8_ACTIVATIONS = Setting(
     "int8_activations", bool, False,
     "cpu, quantized weights: quantize a decode step's activations (up to 4 rows in bf16, 16 in float32) to int8 per "
-    "32 inputs and take integer dot products, as llama.cpp (faster batch-1 decode, less agreement with float32; see "
-    "docs/quantization.md); --quantization int8 in bf16 quantizes every call's activations per row instead (W8A8)")
+    "32 inputs and take integer dot products, as llama.cpp (faster batch-1 decode, less agreement with float32, "
+    "whose models take int16 ones otherwise; see docs/quantization.md); --quantization int8 in bf16 quantizes every "
+    "call's activations per row instead (W8A8)")

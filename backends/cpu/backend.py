@@ -107,7 +107,7 @@ class CPUBackend(Backend):
         from pagedllm.backends.cpu.runner.kernels import attention_mode
 
         self.quantization = _quantization(options["quantization"], model.kind, attention_mode() != "torch")
-        # int8 weights of a bf16 model are W8A8; a float32 model keeps its exact float32 dot products over them
+        # int8 weights of a bf16 model are W8A8; a float32 model's decode steps keep int16 activations over them
         self.int8_activations = options["int8_activations"] or (self.quantization == "int8"
                                                                 and _name(self.dtype) == "bfloat16")
         self.runner: ModelRunner | TensorParallelExecutor | None = None

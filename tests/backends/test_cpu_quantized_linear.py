@@ -92,11 +92,11 @@ def test_rows_columns_widening_and_concatenation_keep_the_values():
         a.columns(16, 256)
 
 
-def int8_reference(x: torch.Tensor, weight: qf.QuantizedWeight) -> torch.Tensor:
-    """What the int8 path computes: x quantized per 32 inputs to int8 for the scaled part, its exact sums for the
-    offsets' part."""
+def integer_reference(x: torch.Tensor, weight: qf.QuantizedWeight, bits: int = 8) -> torch.Tensor:
+    """What the int8 and int16 paths compute: x quantized per 32 inputs to int8 or int16 for the scaled part, its
+    exact sums for the offsets' part."""
     chunks = x.float().reshape(x.shape[0], -1, 32)
-    d = chunks.abs().amax(-1, keepdim=True) / 127
+    d = chunks.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)
     q = torch.round(chunks * torch.where(d > 0, 1 / d, 0)) * d
     u = qf.unpack_values(weight.values, weight.bits).float()
     scaled = u * weight.scales.repeat_interleave(weight.group, dim=1)
@@ -136,12 +136,16 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype, panels_per
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
-        got = kernels.quantized_linear(x, *args, float_output=True, int8_activations=False)
-        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
-        got = kernels.quantized_linear(x, *args, float_output=True, int8_activations=True)
-        expected = int8_reference(x, weight) + bias
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-        rounded = kernels.quantized_linear(x, *args, float_output=False, int8_activations=True)
+        for bits in (16, 8):
+            got = kernels.quantized_linear(x, *args, float_output=True, activation_bits=bits)
+            expected = integer_reference(x, weight, bits) + bias
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        # int16 activations: within 1 part in 65534 of each chunk's largest of the exact sums
+        torch.testing.assert_close(kernels.quantized_linear(x, *args, float_output=True, activation_bits=16), exact,
+                                   rtol=1e-3, atol=1e-3 * exact.abs().max().item())
+        with pytest.raises(RuntimeError, match="8 or 16 bits"):
+            kernels.quantized_linear(x, *args, float_output=True, activation_bits=32)
+        rounded = kernels.quantized_linear(x, *args, float_output=False, activation_bits=8)
         assert rounded.dtype == dtype
         torch.testing.assert_close(rounded.float(), got.to(dtype).float(), rtol=0, atol=0)
 

@@ -39,7 +39,7 @@ bool quantized_linear_int8_simd();
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
-                            const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations);
+                            const c10::optional<at::Tensor>& bias, bool float_output, int64_t activation_bits);
 at::Tensor quantized_linear_tiles_f32(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                                       const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
                                       int64_t out_features, const c10::optional<at::Tensor>& bias,
@@ -104,7 +104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T + bias over a block-quantized weight in panels (w = scale * u + offset)",
         py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false,
-        py::arg("int8_activations") = true);
+        py::arg("activation_bits"));
   m.def("quantized_linear_tiles_f32", &quantized_linear_tiles_f32,
         "x @ W.T + bias for many rows over a block-quantized weight, dequantized to float32 blocks for the GEMM",
         py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),

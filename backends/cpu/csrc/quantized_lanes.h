@@ -40,6 +40,14 @@ struct Lanes {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)));
 #endif
   }
+  // acc + per lane the sum of 2 products of 16-bit halves (values u below 256, int16 activations a)
+  static I dot2(I acc, I u, I a) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, u, a);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(u, a));
+#endif
+  }
   // the same for any unsigned bytes (vpmaddubsw would saturate: 16 * high nibbles + low nibbles)
   static I dot8(I acc, I u, I a) {
 #if defined(__AVX512VNNI__)
@@ -79,6 +87,13 @@ struct Lanes {
     const I mask = set1(0x0F0F0F0F);
     const I high = dot4(zeroi(), band(_mm256_srli_epi16(u, 4), mask), a);
     return addi(dot4(acc, band(u, mask), a), shl4(high));
+  }
+  static I dot2(I acc, I u, I a) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, u, a);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(u, a));
+#endif
   }
 };
 #endif

@@ -3,11 +3,12 @@
 // summed against every row while it is in cache, 16 columns per vector. Batch-1 decode is bound by the bytes of
 // weights read, so fewer bits per weight is the only way to make it faster.
 //
-// Two ways to take the dot products:
-// - int8: activations quantized per 32 inputs to int8 (as llama.cpp's Q8 activations), then integer dot products
-//   (AVX512_VNNI vpdpbusd, else vpmaddubsw), scaled per group; the offsets' term uses the exact float sums.
-// - float: the values converted to float32 in registers, float32 products with the activations, scaled per group
-//   (what dequantize + matmul computes, to float32's rounding): the exact path, for float32 models.
+// The activations are quantized per 32 inputs, and integer dot products taken, scaled per group (the offsets' term
+// uses the exact float sums of the activations):
+// - int8 (as llama.cpp's Q8 activations): AVX512_VNNI vpdpbusd, else vpmaddubsw; faster, less precise;
+// - int16 (vpmaddwd on pairs of inputs, the values as 16-bit halves): the activations rounded to 1 part in 65534 of
+//   their chunk's largest, far closer to float32 than bf16 is, in half the vector operations of float32 products
+//   with the values converted in registers: float32 models' decode path.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -15,7 +16,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "quantized_lanes.h"
@@ -38,7 +41,7 @@ at::Tensor float_rows(const at::Tensor& rows) {
   return rows.scalar_type() == at::kFloat ? rows.contiguous() : rows.to(at::kFloat).contiguous();
 }
 
-// Per row and group of `group` inputs, the float32 sum of the row's inputs (the offsets' term of both paths).
+// Per row and group of `group` inputs, the float32 sum of the row's inputs (the offsets' term).
 std::vector<float> row_group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
   std::vector<float> sums(m * (k / group));
   for (int64_t r = 0; r < m; ++r)
@@ -50,43 +53,51 @@ std::vector<float> row_group_sums(const float* x, int64_t m, int64_t k, int64_t 
   return sums;
 }
 
-// Activations for the int8 path: per row and chunk of 32 inputs, int8 values q and a scale d with x ~ d * q
-// (d = max |x| / 127), q stored in the weight's int8 order (kInt8Order4/8), and the exact float sum of x over each
-// weight group (the offsets' term).
-struct Int8Activations {
-  std::vector<int8_t> q;
+// Activations for the integer paths: per row and chunk of 32 inputs, int8 or int16 values q and a scale d with
+// x ~ d * q (d = max |x| / 127 or 32767), and the exact float sum of x over each weight group (the offsets' term).
+// int8 values are stored in the weight's int8 order (kInt8Order4/8), int16 ones in the inputs' own order (a 32-bit
+// word is a pair of neighbouring inputs, as the weights' 16-bit halves are).
+template <typename T>
+struct IntegerActivations {
+  static_assert(std::is_same<T, int8_t>::value || std::is_same<T, int16_t>::value, "int8 or int16");
+  static constexpr int kIdentity[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<T> q;
   std::vector<float> scale, group_sum;
   int64_t chunks, groups;
+  const int* order;  // input of each position, per 8 inputs
 
-  Int8Activations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
+  IntegerActivations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
       : q(m * k), scale(m * (k / kChunk)), group_sum(row_group_sums(x, m, k, group)), chunks(k / kChunk),
-        groups(k / group) {
-    const int* order = bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8;
+        groups(k / group),
+        order(sizeof(T) == 2 ? kIdentity : bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8) {
+    constexpr float kMax = std::numeric_limits<T>::max();
     at::parallel_for(0, m * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         const float* src = x + c * kChunk;  // rows are contiguous: chunk c of all rows' chunks
         float amax = 0.f;
         for (int64_t i = 0; i < kChunk; ++i) amax = std::max(amax, std::fabs(src[i]));
-        const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        const float d = amax / kMax, inverse = d > 0.f ? 1.f / d : 0.f;
         scale[c] = d;
         for (int64_t i = 0; i < kChunk; ++i)
-          q[c * kChunk + i] = static_cast<int8_t>(std::nearbyint(src[i / 8 * 8 + order[i % 8]] * inverse));
+          q[c * kChunk + i] = static_cast<T>(std::nearbyint(src[i / 8 * 8 + order[i % 8]] * inverse));
       }
     });
   }
 };
+using Int8Activations = IntegerActivations<int8_t>;
+using Int16Activations = IntegerActivations<int16_t>;
 
-// Sums of panel p for rows r0.. (16 per row, one per column), through the scalar code.
-void int8_panel_scalar(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, int64_t rows,
-                       float* sums) {
-  const int* order = w.bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8;
+// Sums of panel p for rows r0.. (16 per row, one per column) through the integer paths' scalar code.
+template <typename T>
+void integer_panel_scalar(const Weights& w, int64_t p, const IntegerActivations<T>& act, int64_t r0, int64_t rows,
+                          float* sums) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < kPanel; ++c) {
       float total = 0.f;
       for (int64_t g = 0; g < w.groups; ++g) {
-        int32_t dot = 0;  // over the group's activation bytes, in their order
+        int32_t dot = 0;  // over the group's activations, in their order
         for (int64_t t = g * w.group; t < (g + 1) * w.group; ++t)
-          dot += w.u(p, c, t / 8 * 8 + order[t % 8]) * act.q[(r0 + r) * w.k + t];
+          dot += w.u(p, c, t / 8 * 8 + act.order[t % 8]) * act.q[(r0 + r) * w.k + t];
         const float d = act.scale[(r0 + r) * act.chunks + g * w.group / kChunk];
         total += static_cast<float>(dot) * (w.scale(p, g, c) * d) +
                  w.offset(p, g, c) * act.group_sum[(r0 + r) * act.groups + g];
@@ -95,98 +106,71 @@ void int8_panel_scalar(const Weights& w, int64_t p, const Int8Activations& act, 
     }
 }
 
-void float_panel_scalar(const Weights& w, int64_t p, const float* x, int64_t r0, int64_t rows, float* sums) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < kPanel; ++c) {
-      float total = 0.f;
-      for (int64_t i = 0; i < w.k; ++i) {
-        const int64_t g = i / w.group;
-        total += std::fma(w.u(p, c, i), w.scale(p, g, c), w.offset(p, g, c)) * x[(r0 + r) * w.k + i];
-      }
-      sums[r * kPanel + c] = total;
-    }
+#if PAGEDLLM_QUANT_SIMD
+// Steps per load of lane values, and the values of step e as the dot products take them: int8 activations take
+// the 4-bit values as bytes (low nibbles, then high ones) or 8-bit ones whole; int16 activations take pairs of
+// inputs as 16-bit halves (a shift by e values and a mask).
+template <typename T, int Bits>
+constexpr int kSteps = std::is_same<T, int16_t>::value ? (Bits == 4 ? 4 : 2) : (Bits == 4 ? 2 : 1);
+
+template <typename T, int Bits>
+inline Lanes::I step_values(Lanes::I v, int e) {
+  if (std::is_same<T, int16_t>::value)
+    return Lanes::band(e == 0 ? v : Lanes::shr(v, Bits * e), Lanes::set1(Bits == 4 ? 0x000F000F : 0x00FF00FF));
+  if (Bits == 8) return v;
+  return Lanes::band(e == 0 ? v : Lanes::shr(v, 4), Lanes::set1(0x0F0F0F0F));
 }
 
-#if PAGEDLLM_QUANT_SIMD
-// The int8 path over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's bytes with the
-// rows' int8 activations, then scaled by the column's scale and the chunk's activation scale, plus the offsets'
-// term. `sums` gets [R][16].
-template <int R, int Bits>
-void int8_panel(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, float* sums) {
+// acc + the lane sums of the values of one step times a broadcast 32-bit word of activations
+template <typename T, int Bits>
+inline Lanes::I step_dot(Lanes::I acc, Lanes::I u, Lanes::I a) {
+  if (std::is_same<T, int16_t>::value) return Lanes::dot2(acc, u, a);
+  return Bits == 4 ? Lanes::dot4(acc, u, a) : Lanes::dot8(acc, u, a);
+}
+
+// The integer paths over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's values with the
+// rows' activations, then scaled by the column's scale and the chunk's activation scale, plus the offsets' term.
+// A load's halves (AVX2) are summed in the same pass, so that the panel streams from memory once, with the
+// prefetches running ahead all the way; a single row sums into two accumulators (steps alternating), whose
+// latency (vpdpwssd, vpdpbusd) would stall one chain. `sums` gets [R][16].
+template <int R, int Bits, typename T>
+void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act, int64_t r0, float* sums) {
+  constexpr int H = Lanes::halves, S = kSteps<T, Bits>, C = R * H == 1 ? 2 : 1;
   const uint8_t* panel = w.panel(p);
-  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
+  const int64_t loads = w.group / (Bits == 4 ? 8 : 4);
   const int32_t* a[R];
   for (int r = 0; r < R; ++r) a[r] = reinterpret_cast<const int32_t*>(act.q.data() + (r0 + r) * w.k);
-  const Lanes::I mask = Lanes::set1(0x0F0F0F0F);
-  for (int h = 0; h < Lanes::halves; ++h) {
-    Lanes::F acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
-    for (int64_t g = 0; g < w.groups; ++g) {
-      Lanes::I dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = Lanes::zeroi();
-      for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
-        const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
-        if (Bits == 4) {
-          const Lanes::I low = Lanes::band(v, mask), high = Lanes::band(Lanes::shr(v, 4), mask);
-          for (int r = 0; r < R; ++r) {
-            dot[r] = Lanes::dot4(dot[r], low, Lanes::set1(a[r][2 * l]));
-            dot[r] = Lanes::dot4(dot[r], high, Lanes::set1(a[r][2 * l + 1]));
-          }
-        } else {
-          for (int r = 0; r < R; ++r) dot[r] = Lanes::dot8(dot[r], v, Lanes::set1(a[r][l]));
+  for (int i = 0; i < R * kPanel; ++i) sums[i] = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    Lanes::I dot[R][H][C];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < C; ++c) dot[r][h][c] = Lanes::zeroi();
+    for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
+      Lanes::I v[H];
+      for (int h = 0; h < H; ++h) v[h] = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
+      for (int e = 0; e < S; ++e) {
+        Lanes::I u[H];
+        for (int h = 0; h < H; ++h) u[h] = step_values<T, Bits>(v[h], e);
+        for (int r = 0; r < R; ++r) {
+          const Lanes::I word = Lanes::set1(a[r][l * S + e]);
+          for (int h = 0; h < H; ++h) dot[r][h][e % C] = step_dot<T, Bits>(dot[r][h][e % C], u[h], word);
         }
       }
+    }
+    const int64_t chunk = g * w.group / kChunk;
+    for (int h = 0; h < H; ++h) {
       const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
-      const int64_t chunk = g * w.group / kChunk;
       for (int r = 0; r < R; ++r) {
+        const Lanes::I total = C == 1 ? dot[r][h][0] : Lanes::addi(dot[r][h][0], dot[r][h][C - 1]);
         const Lanes::F d = Lanes::set1f(act.scale[(r0 + r) * act.chunks + chunk]);
-        acc[r] = Lanes::fma(Lanes::cvt(dot[r]), Lanes::mul(scale, d), acc[r]);
-        acc[r] = Lanes::fma(offset, Lanes::set1f(act.group_sum[(r0 + r) * act.groups + g]), acc[r]);
+        float* out = sums + r * kPanel + h * kLanes;
+        Lanes::F acc = Lanes::fma(Lanes::cvt(total), Lanes::mul(scale, d), Lanes::loadf(out));
+        acc = Lanes::fma(offset, Lanes::set1f(act.group_sum[(r0 + r) * act.groups + g]), acc);
+        Lanes::store(out, acc);
       }
     }
-    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
-  }
-}
-
-// The float path over panel p: per group, the rows' inputs times the values u (converted to float32 in registers,
-// 16 columns at a time), then scaled: sum(w x) = scale * sum(u x) + offset * sum(x), with the group's sums of x
-// taken once per call (group_sum [m][groups]). Scaling per group, not per weight, leaves three vector operations
-// and the product per 8 weights: this path is bound by them, not by reading the weights. Each row sums into C
-// independent accumulators (inputs alternating): one chain of dependent multiply-adds would wait on the FMA's
-// latency at every input.
-template <int R, int Bits>
-void float_panel(const Weights& w, int64_t p, const float* x, const float* group_sum, int64_t r0, float* sums) {
-  constexpr int C = R == 1 ? 4 : 2;
-  const uint8_t* panel = w.panel(p);
-  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
-  const Lanes::I mask = Lanes::set1(Bits == 4 ? 0x0F : 0xFF);
-  for (int h = 0; h < Lanes::halves; ++h) {
-    Lanes::F acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Lanes::zerof();
-    for (int64_t g = 0; g < w.groups; ++g) {
-      Lanes::F dot[R][C];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) dot[r][c] = Lanes::zerof();
-      for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
-        const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
-        for (int e = 0; e < per_load; ++e) {
-          const Lanes::F u = Lanes::cvt(Lanes::band(Lanes::shr(v, Bits * e), mask));
-          const int64_t i = l * per_load + (Bits == 4 ? pagedllm::kInputOfNibble[e] : pagedllm::kInputOfByte[e]);
-          for (int r = 0; r < R; ++r)
-            dot[r][e % C] = Lanes::fma(u, Lanes::set1f(x[(r0 + r) * w.k + i]), dot[r][e % C]);
-        }
-      }
-      const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
-      for (int r = 0; r < R; ++r) {
-        Lanes::F total = dot[r][0];
-        for (int c = 1; c < C; ++c) total = Lanes::add(total, dot[r][c]);
-        acc[r] = Lanes::fma(total, scale, acc[r]);
-        acc[r] = Lanes::fma(offset, Lanes::set1f(group_sum[(r0 + r) * w.groups + g]), acc[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) Lanes::store(sums + r * kPanel + h * kLanes, acc[r]);
   }
 }
 
@@ -204,31 +188,19 @@ inline void with_rows(int64_t rows, const Run& run) {
 }
 #endif
 
-// Sums [rows][16] of panel p for rows r0.. through the int8 path.
-void int8_sums(const Weights& w, int64_t p, const Int8Activations& act, int64_t r0, int64_t rows, float* sums) {
+// Sums [rows][16] of panel p for rows r0.. through an integer path.
+template <typename T>
+void integer_sums(const Weights& w, int64_t p, const IntegerActivations<T>& act, int64_t r0, int64_t rows,
+                  float* sums) {
 #if PAGEDLLM_QUANT_SIMD
   with_rows<0>(rows, [&](auto r) {
     if (w.bits == 4)
-      int8_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
+      integer_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
     else
-      int8_panel<decltype(r)::value, 8>(w, p, act, r0, sums);
+      integer_panel<decltype(r)::value, 8>(w, p, act, r0, sums);
   });
 #else
-  int8_panel_scalar(w, p, act, r0, rows, sums);
-#endif
-}
-
-void float_sums(const Weights& w, int64_t p, const float* x, const float* group_sum, int64_t r0, int64_t rows,
-                float* sums) {
-#if PAGEDLLM_QUANT_SIMD
-  with_rows<0>(rows, [&](auto r) {
-    if (w.bits == 4)
-      float_panel<decltype(r)::value, 4>(w, p, x, group_sum, r0, sums);
-    else
-      float_panel<decltype(r)::value, 8>(w, p, x, group_sum, r0, sums);
-  });
-#else
-  float_panel_scalar(w, p, x, r0, rows, sums);
+  integer_panel_scalar(w, p, act, r0, rows, sums);
 #endif
 }
 
@@ -258,13 +230,14 @@ bool quantized_linear_int8_simd() {
 }
 
 // x [..., K] (float32 or bf16) times the quantized weight of N columns, plus an optional float bias:
-// [..., N] in x's dtype, or float32 when `float_output`. `int8_activations` picks the int8 path.
+// [..., N] in x's dtype, or float32 when `float_output`. `activation_bits` (8 or 16) picks the path.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                             const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
-                            const c10::optional<at::Tensor>& bias, bool float_output, bool int8_activations) {
+                            const c10::optional<at::Tensor>& bias, bool float_output, int64_t activation_bits) {
   const Weights w(values, scales, offsets, bits, group, zero, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bf16 input");
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activations of 8 or 16 bits, got ", activation_bits);
   TORCH_CHECK(x.size(-1) == w.k, "input width ", x.size(-1), " does not match the weight's ", w.k);
   const at::Tensor rows = float_rows(x.reshape({-1, w.k}));
   const int64_t m = rows.size(0);
@@ -278,21 +251,21 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const float* bias_ptr = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   const float* xs = rows.data_ptr<float>();
   void* y = out.data_ptr();
-  std::unique_ptr<Int8Activations> act;
-  std::vector<float> group_sum;
-  if (int8_activations)
-    act = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
+  std::unique_ptr<Int8Activations> int8;
+  std::unique_ptr<Int16Activations> int16;
+  if (activation_bits == 8)
+    int8 = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
   else
-    group_sum = row_group_sums(xs, m, w.k, w.group);
+    int16 = std::make_unique<Int16Activations>(xs, m, w.k, w.group, w.bits);
   at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRows * kPanel];
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int64_t count = std::min<int64_t>(kRows, m - r0);
-        if (int8_activations)
-          int8_sums(w, p, *act, r0, count, sums);
+        if (int8)
+          integer_sums(w, p, *int8, r0, count, sums);
         else
-          float_sums(w, p, xs, group_sum.data(), r0, count, sums);
+          integer_sums(w, p, *int16, r0, count, sums);
         store(sums, count, p, w, bias_ptr, y, as_float, r0);
       }
   });

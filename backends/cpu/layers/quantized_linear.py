@@ -51,9 +51,10 @@ class QuantizedLinear(torch.nn.Module):
     models dot the values with their bf16 activations as they stream by for a decode step's few rows (``few_rows``),
     weights unrounded, and dequantize them to bf16 tiles for brgemm above, so their activations stay bf16 as in the
     dense model; with ``int8_activations`` they quantize the activations to int8 per 32 inputs for the few rows
-    instead and take integer dot products (as llama.cpp: faster, less precise). float32 models convert the values
-    to float32 in registers and scale the sums per group up to SMALL_ROWS rows (the exact path), and dequantize a
-    block of 64 columns at a time to float32 for the GEMM above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
+    instead and take integer dot products (as llama.cpp: faster, less precise). float32 models quantize their
+    activations to int16 per 32 inputs up to SMALL_ROWS rows (integer dot products, the activations rounded to 1
+    part in 65534 of each chunk's largest), and dequantize a block of 64 columns at a time to float32 for the GEMM
+    above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
     row count on one kernel (batch invariance: each path sums in its own order)."""
 
     is_quantized = True  # quantized_bytes and quantized_path look for it (as on int8_gemm.Int8GemmLinear)
@@ -72,6 +73,9 @@ class QuantizedLinear(torch.nn.Module):
         self.bf16_kernels = bf16 and kernels.quantized_linear_bf16_available()
         # without the bf16 kernels, int8 activations are a bf16 model's only quantized kernel for a few rows
         self.int8_activations = int8_activations or (bf16 and not self.bf16_kernels)
+        # the streaming kernel's activations: float32 models take int16 ones (nearly float32, at twice the rate of
+        # float32 products; docs/quantization.md)
+        self.activation_bits = 8 if self.int8_activations else 16
         # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
         self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
         self.nbytes = sum(t.nbytes for t in (self.values, self.scales, self.offsets))
@@ -84,7 +88,7 @@ class QuantizedLinear(torch.nn.Module):
         """How it takes its dot products, for the log (one of model_runner.QUANTIZED_PATHS)."""
         if self.bf16_kernels:
             return "int8 and bf16 tiles" if self.int8_activations else "bf16"
-        return "int8" if self.int8_activations else "float32"
+        return "int8" if self.int8_activations else "int16"
 
     @property
     def arguments(self) -> tuple:
@@ -100,7 +104,7 @@ class QuantizedLinear(torch.nn.Module):
             if not self.int8_activations:
                 return self._kernels.quantized_gemv_bf16(x, *weight, self.float_output)
         if self.kernel_only or rows <= SMALL_ROWS:
-            return self._kernels.quantized_linear(x, *weight, self.float_output, self.int8_activations)
+            return self._kernels.quantized_linear(x, *weight, self.float_output, self.activation_bits)
         return self._kernels.quantized_linear_tiles_f32(x, *weight, self.float_output)
 
     def extra_repr(self) -> str:

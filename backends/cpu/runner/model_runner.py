@@ -46,8 +46,9 @@ QUANTIZED_PATHS = {
                            f"products, as llama.cpp), and dequantize their weights to bf16 tiles for brgemm above",
     "int8": f"quantize their activations to int8 per 32 inputs up to {SMALL_ROWS} rows (int8 dot products, as "
             f"llama.cpp), and dequantize their weights to float32 blocks for the GEMM above",
-    "float32": f"dequantize their weights to float32 in registers up to {SMALL_ROWS} rows, and to float32 blocks "
-               f"for the GEMM above (float32 dot products)",
+    "int16": f"quantize their activations to int16 per 32 inputs up to {SMALL_ROWS} rows (integer dot products, "
+             f"activations to 1 part in 65534 of each chunk's largest), and dequantize their weights to float32 "
+             f"blocks for the GEMM above (float32 dot products)",
     "int8 GEMM": "quantize their activations to int8 per row and take oneDNN's int8 GEMM (W8A8, as vLLM CPU)"}
 
 
