@@ -136,18 +136,18 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype, panels_per
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
-        for bits in (16, 8):
-            got = kernels.quantized_linear(x, *args, float_output=True, activation_bits=bits)
+        got = {bits: kernels.quantized_linear(x, *args, float_output=True, activation_bits=bits) for bits in (8, 16)}
+        for bits, sums in got.items():
             expected = integer_reference(x, weight, bits) + bias
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+            torch.testing.assert_close(sums, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
         # int16 activations: within 1 part in 65534 of each chunk's largest of the exact sums
-        torch.testing.assert_close(kernels.quantized_linear(x, *args, float_output=True, activation_bits=16), exact,
-                                   rtol=1e-3, atol=1e-3 * exact.abs().max().item())
+        torch.testing.assert_close(got[16], exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
         with pytest.raises(RuntimeError, match="8 or 16 bits"):
             kernels.quantized_linear(x, *args, float_output=True, activation_bits=32)
-        rounded = kernels.quantized_linear(x, *args, float_output=False, activation_bits=8)
-        assert rounded.dtype == dtype
-        torch.testing.assert_close(rounded.float(), got.to(dtype).float(), rtol=0, atol=0)
+        for bits, sums in got.items():  # x's dtype out: the same sums, rounded once
+            rounded = kernels.quantized_linear(x, *args, float_output=False, activation_bits=bits)
+            assert rounded.dtype == dtype
+            torch.testing.assert_close(rounded.float(), sums.to(dtype).float(), rtol=0, atol=0)
 
 
 @pytest.mark.cpu_isa

@@ -54,8 +54,8 @@ class QuantizedLinear(torch.nn.Module):
     instead and take integer dot products (as llama.cpp: faster, less precise). float32 models quantize their
     activations to int16 per 32 inputs up to SMALL_ROWS rows (integer dot products, the activations rounded to 1
     part in 65534 of each chunk's largest), and dequantize a block of 64 columns at a time to float32 for the GEMM
-    above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every
-    row count on one kernel (batch invariance: each path sums in its own order)."""
+    above. With ``float_output`` it returns float32 (the LM head). ``kernel_only`` keeps every row count on one
+    kernel (batch invariance: each path sums in its own order)."""
 
     is_quantized = True  # quantized_bytes and quantized_path look for it (as on int8_gemm.Int8GemmLinear)
 
