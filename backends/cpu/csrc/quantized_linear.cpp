@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -176,7 +175,7 @@ void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act
 
 // Kernel<rows, bits>::run(args...) for 1 to kRows rows: the row count is a template argument, so that the
 // accumulators stay in registers.
-template <int Bits, typename Run>
+template <typename Run>
 inline void with_rows(int64_t rows, const Run& run) {
   static_assert(kRows == 4, "one case per row count");
   switch (rows) {
@@ -193,7 +192,7 @@ template <typename T>
 void integer_sums(const Weights& w, int64_t p, const IntegerActivations<T>& act, int64_t r0, int64_t rows,
                   float* sums) {
 #if PAGEDLLM_QUANT_SIMD
-  with_rows<0>(rows, [&](auto r) {
+  with_rows(rows, [&](auto r) {
     if (w.bits == 4)
       integer_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
     else
@@ -251,24 +250,21 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const
   const float* bias_ptr = bias_float.defined() ? bias_float.data_ptr<float>() : nullptr;
   const float* xs = rows.data_ptr<float>();
   void* y = out.data_ptr();
-  std::unique_ptr<Int8Activations> int8;
-  std::unique_ptr<Int16Activations> int16;
+  const auto run = [&](const auto& act) {
+    at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float sums[kRows * kPanel];
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+          const int64_t count = std::min<int64_t>(kRows, m - r0);
+          integer_sums(w, p, act, r0, count, sums);
+          store(sums, count, p, w, bias_ptr, y, as_float, r0);
+        }
+    });
+  };
   if (activation_bits == 8)
-    int8 = std::make_unique<Int8Activations>(xs, m, w.k, w.group, w.bits);
+    run(Int8Activations(xs, m, w.k, w.group, w.bits));
   else
-    int16 = std::make_unique<Int16Activations>(xs, m, w.k, w.group, w.bits);
-  at::parallel_for(0, w.panels, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRows * kPanel];
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-        const int64_t count = std::min<int64_t>(kRows, m - r0);
-        if (int8)
-          integer_sums(w, p, *int8, r0, count, sums);
-        else
-          integer_sums(w, p, *int16, r0, count, sums);
-        store(sums, count, p, w, bias_ptr, y, as_float, r0);
-      }
-  });
+    run(Int16Activations(xs, m, w.k, w.group, w.bits));
   return out;
 }
 
