@@ -3,8 +3,8 @@
 // summed against every row while it is in cache, 16 columns per vector. Batch-1 decode is bound by the bytes of
 // weights read, so fewer bits per weight is the only way to make it faster.
 //
-// The activations are quantized per 32 inputs, and integer dot products taken, scaled per group (the offsets' term
-// uses the exact float sums of the activations):
+// The activations are quantized per 32 inputs, and integer dot products taken, scaled per group; the offsets' term
+// takes the rounded activations' sums, so that a row's result is the weights' product with its rounded activations:
 // - int8 (as llama.cpp's Q8 activations): AVX512_VNNI vpdpbusd, else vpmaddubsw; faster, less precise;
 // - int16 (vpmaddwd on pairs of inputs, the values as 16-bit halves): the activations rounded to 1 part in 65534 of
 //   their chunk's largest, far closer to float32 than bf16 is, in half the vector operations of float32 products
@@ -40,20 +40,10 @@ at::Tensor float_rows(const at::Tensor& rows) {
   return rows.scalar_type() == at::kFloat ? rows.contiguous() : rows.to(at::kFloat).contiguous();
 }
 
-// Per row and group of `group` inputs, the float32 sum of the row's inputs (the offsets' term).
-std::vector<float> row_group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
-  std::vector<float> sums(m * (k / group));
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < k / group; ++g) {
-      float total = 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) total += x[r * k + i];
-      sums[r * (k / group) + g] = total;
-    }
-  return sums;
-}
-
 // Activations for the integer paths: per row and chunk of 32 inputs, int8 or int16 values q and a scale d with
-// x ~ d * q (d = max |x| / 127 or 32767), and the exact float sum of x over each weight group (the offsets' term).
+// x ~ d * q (d = max |x| / 127 or 32767), and per weight group the sum of d * q (the offsets' term). Its error is
+// then sum(w * e) over the rounding errors e, as llama.cpp's; the exact sums of x made it sum((w - offset) * e),
+// with 128 - x in place of x for a Q8_0 value.
 // int8 values are stored in the weight's int8 order (kInt8Order4/8), int16 ones in the inputs' own order (a 32-bit
 // word is a pair of neighbouring inputs, as the weights' 16-bit halves are).
 template <typename T>
@@ -66,8 +56,7 @@ struct IntegerActivations {
   const int* order;  // input of each position, per 8 inputs
 
   IntegerActivations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
-      : q(m * k), scale(m * (k / kChunk)), group_sum(row_group_sums(x, m, k, group)), chunks(k / kChunk),
-        groups(k / group),
+      : q(m * k), scale(m * (k / kChunk)), group_sum(m * (k / group)), chunks(k / kChunk), groups(k / group),
         order(sizeof(T) == 2 ? kIdentity : bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8) {
     constexpr float kMax = std::numeric_limits<T>::max();
     at::parallel_for(0, m * chunks, 64, [&](int64_t begin, int64_t end) {
@@ -79,6 +68,11 @@ struct IntegerActivations {
         scale[c] = d;
         for (int64_t i = 0; i < kChunk; ++i)
           q[c * kChunk + i] = static_cast<T>(std::nearbyint(src[i / 8 * 8 + order[i % 8]] * inverse));
+        for (int64_t s = 0; s < kChunk / group; ++s) {  // the chunk's groups (the order moves inputs within 8)
+          int32_t total = 0;
+          for (int64_t i = s * group; i < (s + 1) * group; ++i) total += q[c * kChunk + i];
+          group_sum[c * (kChunk / group) + s] = d * static_cast<float>(total);
+        }
       }
     });
   }
