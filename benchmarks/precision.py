@@ -4,7 +4,8 @@ matching prefix, teacher-forced top-1 agreement, and the error of the first toke
 ``goldens`` writes transformers' float32 greedy continuations (48 tokens of 24 chat prompts, on the default model's
 weights as transformers dequantizes its GGUF file) and the logprob of each first token to ``precision_goldens.json``
 beside this script. ``measure`` runs pagedllm configurations against them, all 24 prompts in one batch, and prints
-a Markdown table for docs/precision.md:
+a Markdown table for docs/precision.md; configuration ``llama.cpp`` runs llama.cpp on the same GGUF file, each prompt
+alone (llama_cpp_precision.py, in the llama.cpp venv of llama_cpp_env.py):
 
     python benchmarks/precision.py goldens
     python benchmarks/precision.py measure [--configs cpu-bf16-dense,cpu-fp32-u8,...] [--alone] [--output-json PATH]
@@ -53,6 +54,7 @@ CONFIGS = {
     "openvino-fp32-u8": ("openvino", dict(dtype="float32", kv_cache_dtype="u8")),
     "openvino-bf16-int8": ("openvino", dict(dtype="bfloat16", quantization="int8")),
 }
+LLAMA_CPP = "llama.cpp"  # llama.cpp on the same file: llama_cpp_precision.py
 DEFAULT_CONFIGS = ("cpu-fp32", "cpu-bf16-dense", "cpu-bf16-dense-cached-chunked", "cpu-bf16-dense-batch-invariant",
                    "cpu-fp32-u8", "cpu-bf16-dense-u8", "cpu-fp32-gguf", "cpu-bf16-gguf", "cpu-bf16-gguf-u8",
                    "openvino-fp32", "openvino-bf16", "openvino-fp32-u8", "openvino-bf16-int8")
@@ -153,6 +155,22 @@ def measure_config(name: str, goldens: list[dict], alone: bool = False) -> dict:
             "first_logprob_error": sum(errors) / len(errors), "max_first_logprob_error": max(errors)}
 
 
+def measure_llama_cpp() -> dict:
+    """llama.cpp's row, on the default model's GGUF file (its own quantized tensors, llama.cpp's int8 activations)."""
+    import subprocess
+
+    import llama_cpp_env
+    from pagedllm.models.source import default_model_path
+
+    venv = llama_cpp_env.default_venv_dir()
+    llama_cpp_env.ensure_venv(venv)
+    out = subprocess.run([str(llama_cpp_env.venv_python(venv)), str(Path(__file__).with_name("llama_cpp_precision.py")),
+                          "--model", str(default_model_path()), "--goldens", str(GOLDENS)],
+                         check=True, capture_output=True, text=True).stdout
+    return {"config": f"llama.cpp {llama_cpp_env.LLAMA_CPP_PYTHON_VERSION}, the same file (one prompt at a time)",
+            **json.loads(out.splitlines()[-1])}
+
+
 def table(rows: list[dict]) -> list[str]:
     lines = ["| configuration | exact (of 24) | mean matching prefix (of 48) | teacher-forced top-1 agreement | "
              "first-token logprob error, mean (max) |",
@@ -170,7 +188,7 @@ def main() -> None:
     sub.add_parser("goldens", help="write transformers' float32 goldens")
     run = sub.add_parser("measure", help="compare pagedllm configurations with the goldens")
     run.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                     help=f"comma-separated, of: {', '.join(CONFIGS)}")
+                     help=f"comma-separated, of: {', '.join(CONFIGS)}, {LLAMA_CPP}")
     run.add_argument("--output-json", type=Path)
     run.add_argument("--alone", action="store_true",
                      help="decode each prompt alone (batch 1) instead of all 24 in one batch")
@@ -181,9 +199,9 @@ def main() -> None:
     goldens = json.loads(GOLDENS.read_text())["goldens"]
     rows = []
     for name in args.configs.split(","):
-        if name not in CONFIGS:
+        if name not in CONFIGS and name != LLAMA_CPP:
             parser.error(f"unknown configuration {name!r}")
-        rows.append(measure_config(name, goldens, args.alone))
+        rows.append(measure_llama_cpp() if name == LLAMA_CPP else measure_config(name, goldens, args.alone))
         print(json.dumps(rows[-1]), flush=True)
     print("\n".join(table(rows)))
     if args.output_json:
