@@ -43,7 +43,7 @@ at::Tensor float_rows(const at::Tensor& rows) {
 // Activations for the integer paths: per row and chunk of 32 inputs, int8 or int16 values q and a scale d with
 // x ~ d * q (d = max |x| / 127 or 32767), and per weight group the sum of d * q (the offsets' term). Its error is
 // then sum(w * e) over the rounding errors e, as llama.cpp's; the exact sums of x made it sum((w - offset) * e),
-// with 128 - x in place of x for a Q8_0 value.
+// a Q8_0 value x counted as x + 128.
 // int8 values are stored in the weight's int8 order (kInt8Order4/8), int16 ones in the inputs' own order (a 32-bit
 // word is a pair of neighbouring inputs, as the weights' 16-bit halves are).
 template <typename T>
