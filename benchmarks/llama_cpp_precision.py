@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from precision import matching_prefix
+
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float64) - logits.max()
@@ -44,7 +46,7 @@ def main() -> None:
         for _ in range(new_tokens):
             tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval(tokens[-1:])
-        prefixes.append(next((i for i, (a, b) in enumerate(zip(tokens, golden)) if a != b), new_tokens))
+        prefixes.append(matching_prefix(tokens, golden))
         llm.reset()
         llm.eval(prompt + golden[:-1])  # logits after each golden prefix: the next token teacher-forced
         forced = llm.scores[len(prompt) - 1:len(prompt) - 1 + new_tokens]
