@@ -34,9 +34,9 @@ def read_bandwidth(threads: int, mib: int = 512, repeat: int = 5) -> float:
 def gguf_bytes_per_token(path: Path) -> int:
     """The bytes of a GGUF file's weights that one decode step reads: every tensor but the embedding table, which
     is read a row at a time unless it is the LM head too (no output.weight)."""
-    from gguf import GGUFReader
+    from pagedllm.models.gguf_file import open_gguf
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    tensors = {t.name: t.n_bytes for t in open_gguf(path, skip_prefixes=("tokenizer.",)).tensors}
     tied = "output.weight" not in tensors
     return sum(size for name, size in tensors.items() if tied or name != "token_embd.weight")
 

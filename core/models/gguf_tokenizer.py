@@ -22,7 +22,7 @@ _GPT2_PRE = {None, "default", "gpt-2", "gpt2"}
 
 def _gguf_fields(path: Path, *keys: str) -> list:
     fields = open_gguf(path).fields
-    return [fields[k].contents() if k in fields else None for k in keys]
+    return [fields.get(k) for k in keys]
 
 
 def tokenizer_from_gguf(path: Path):

@@ -41,10 +41,7 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
     config = AutoConfig.from_pretrained(config_dir)
     with init_empty_weights():  # parameters on the meta device; buffers (RoPE's frequencies) made for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    reader = open_gguf(gguf_file)
-    # the tokenizer comes from config_dir: its fields (a Llama-3 vocabulary's, ~250 MB of small arrays) go at once
-    for name in [name for name in reader.fields if name.startswith("tokenizer.")]:
-        del reader.fields[name]
+    reader = open_gguf(gguf_file, skip_prefixes=("tokenizer.",))  # the tokenizer comes from config_dir
     processor, to_hf = _name_mapping(reader, model)
     linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
     head = model.get_output_embeddings()
@@ -126,7 +123,7 @@ def _name_mapping(reader, model):
     from GGUF tensor names to the model's parameter names."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    architecture = reader.fields["general.architecture"]
     text = model.config.get_text_config()
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={
         "num_attention_heads": text.num_attention_heads,
