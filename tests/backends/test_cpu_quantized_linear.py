@@ -103,12 +103,12 @@ def integer_reference(x: torch.Tensor, weight: qf.QuantizedWeight, bits: int = 8
 @pytest.mark.cpu_isa
 @pytest.mark.parametrize("type_name", qf.GGUF_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("panels_per_piece", [qf.PANELS_PER_PIECE, 1])
-def test_kernels_equal_the_torch_reference(kernels, type_name, dtype, panels_per_piece, monkeypatch):
+@pytest.mark.parametrize("piece_bytes", [qf.PIECE_BYTES, 1])
+def test_kernels_equal_the_torch_reference(kernels, type_name, dtype, piece_bytes, monkeypatch):
     """Both dot-product paths, rows in and across the kernel's tiles of 4, an input width of 3 chunks of 32 (odd
     pairs), a bias, float32 and bf16 output; the panels made in one piece, or in pieces of one panel (the last one
     padded), as a large LM head's are."""
-    monkeypatch.setattr(qf, "PANELS_PER_PIECE", panels_per_piece)
+    monkeypatch.setattr(qf, "PIECE_BYTES", piece_bytes)
     in_features = 768 if type_name.endswith("_K") else 96
     raw = gguf_blocks(type_name, 40, in_features)
     weight = qf.from_gguf(raw, type_name, 40, in_features)

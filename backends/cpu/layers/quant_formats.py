@@ -105,10 +105,11 @@ def pack_values(u: torch.Tensor, bits: int) -> torch.Tensor:
     return (chunks[..., :CHUNK // 2] | (chunks[..., CHUNK // 2:] << 4)).reshape(u.shape[0], -1).contiguous()
 
 
-def _weight(u: np.ndarray, scales: np.ndarray, offsets: np.ndarray, rows: int, bits: int, group: int,
+def _weight(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, rows: int, bits: int, group: int,
             fmt: str) -> QuantizedWeight:
-    u = torch.from_numpy(np.ascontiguousarray(u)).reshape(rows, -1)
-    return QuantizedWeight(pack_values(u, bits), torch.from_numpy(scales.astype(np.float32)).reshape(rows, -1),
+    """A QuantizedWeight of ``values`` already packed as ``pack_values`` packs them."""
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1),
+                           torch.from_numpy(scales.astype(np.float32)).reshape(rows, -1),
                            torch.from_numpy(offsets.astype(np.float32)).reshape(rows, -1), bits, group, fmt)
 
 
@@ -125,6 +126,12 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float32), minimum.astype(np.float32)
 
 
+# Bytes converted per pass (of GGUF blocks, or of values put in panels): a pass's temporaries stay below the mmap
+# threshold that loading sets (runner/allocator.py), so passes reuse the heap's pages instead of faulting fresh ones
+# in; a VM pays a host fault per page, and an LM head's whole-tensor temporaries cost seconds.
+PIECE_BYTES = 512 << 10
+
+
 def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> QuantizedWeight:
     """A GGUF tensor's blocks ([rows, bytes per row] uint8, as GGUFReader gives them) in the kernels' layout."""
     if type_name not in GGUF_FORMATS:
@@ -135,6 +142,23 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
                          f"({rows * in_features // inputs * size} bytes in whole blocks of {inputs}): the file is "
                          "truncated or damaged")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1)
+    step = max(1, PIECE_BYTES // blocks.shape[1])
+    first = _from_blocks(blocks[:step], type_name)
+    if step >= rows:
+        return first
+    weight = dataclasses.replace(first, **{name: torch.empty(rows, getattr(first, name).shape[1], dtype=dtype)
+                                           for name, dtype in (("values", torch.uint8), ("scales", torch.float32),
+                                                               ("offsets", torch.float32))})
+    for start in range(0, rows, step):
+        part = first if start == 0 else _from_blocks(blocks[start:start + step], type_name)
+        for name in ("values", "scales", "offsets"):
+            getattr(weight, name)[start:start + step] = getattr(part, name)
+    return weight
+
+
+def _from_blocks(blocks: np.ndarray, type_name: str) -> QuantizedWeight:
+    """``from_gguf`` of some whole rows of blocks ([rows, bytes per row])."""
+    rows = blocks.shape[0]
     if type_name == "Q8_0":
         b = blocks.reshape(-1, 34)
         d = _half(b[:, :2])
@@ -145,20 +169,21 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
         b = blocks.reshape(-1, size)
         d = _half(b[:, :2])
         offset = -8 * d if type_name == "Q4_0" else _half(b[:, 2:4])
-        packed = b[:, size - 16:]
-        u = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
-        return _weight(u, d, offset, rows, 4, 32, type_name)
+        return _weight(b[:, size - 16:], d, offset, rows, 4, 32, type_name)  # their 16 bytes are a packed chunk
     if type_name in ("Q4_K", "Q5_K"):
         size = 144 if type_name == "Q4_K" else 176
         b = blocks.reshape(-1, size)
         d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
         scale, minimum = _k_scale_min(b[:, 4:16])
-        qs = b[:, size - 128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        u = (qs & 0x0F).reshape(-1, 8, 32)
-        if type_name == "Q5_K":
-            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            u = u | ((qh & 1) << 4)
-        return _weight(u, d * scale, -(dmin * minimum), rows, 4 if type_name == "Q4_K" else 8, 32, type_name)
+        qs = b[:, size - 128:].reshape(-1, 4, 2, 16)  # 64 inputs per 32 bytes: i in the low nibbles, 32 + i high
+        if type_name == "Q4_K":  # each 32 inputs as a packed chunk: i low, 16 + i high
+            low, high = qs[:, :, 0], qs[:, :, 1]
+            u = np.stack([(low & 0x0F) | (high << 4), (low >> 4) | (high & 0xF0)], axis=2)
+            return _weight(u, d * scale, -(dmin * minimum), rows, 4, 32, type_name)
+        u = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        u = u.reshape(-1, 8, 32) | ((qh & 1) << 4)
+        return _weight(u, d * scale, -(dmin * minimum), rows, 8, 32, type_name)
     # Q6_K: 6-bit values, signed around 32, with an int8 scale per 16 inputs.
     b = blocks.reshape(-1, 210)
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _half(b[:, 208:210])
@@ -238,12 +263,31 @@ class PanelWeight:
         return *self.layout, self.out_features
 
 
-PANELS_PER_PIECE = 256  # to_panels' pieces: 4096 rows
+# Each lane's bytes are reordered as whole 64-bit words (a column's 8 inputs at 4 bits, two groups of 4 at 8 bits)
+# with shifts and masks: contiguous integer ops, several times faster than a strided byte gather.
+_LOW_BYTES_OF_EACH_HALF = 0x0F0F00000F0F
+_BYTES_0_AND_3 = 0xFF0000FFFF0000FF - (1 << 64)  # as a signed int64
+
+
+def _lanes_4bit(u: torch.Tensor, count: int, k: int) -> torch.Tensor:
+    """Panels' bytes of 4-bit values u [count * 16, k]: per 8 inputs of a column, bytes
+    0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4."""
+    x = u.view(torch.int64).reshape(count, PANEL, k // 8).transpose(1, 2).contiguous()
+    pairs = (x & _LOW_BYTES_OF_EACH_HALF) | (((x >> 16) & _LOW_BYTES_OF_EACH_HALF) << 4)  # bytes 0, 1, 4, 5 hold them
+    lanes = (pairs & 0xFF) | ((pairs >> 24) & 0xFF00) | ((pairs << 8) & 0xFF0000) | ((pairs >> 16) & 0xFF000000)
+    return lanes.to(torch.int32).view(torch.uint8).reshape(count, -1)
+
+
+def _lanes_8bit(u: torch.Tensor, count: int, k: int) -> torch.Tensor:
+    """Panels' bytes of 8-bit values u [count * 16, k]: per 4 inputs of a column, inputs 0, 2, 1, 3."""
+    x = u.view(torch.int32).reshape(count, PANEL, k // 4).transpose(1, 2).contiguous().view(torch.int64)
+    lanes = (x & _BYTES_0_AND_3) | ((x << 8) & 0x00FF000000FF0000) | ((x >> 8) & 0x0000FF000000FF00)
+    return lanes.view(torch.uint8).reshape(count, -1)
 
 
 def to_panels(weight: QuantizedWeight) -> PanelWeight:
-    """``weight`` in panels of 16 columns (the last one padded with zero columns), converted a few thousand rows at a
-    time, scales and offsets too, so that an LM head's conversion holds little more than its result."""
+    """``weight`` in panels of 16 columns (the last one padded with zero columns), converted a few panels at a time
+    (PIECE_BYTES), scales and offsets too, so that an LM head's conversion holds little more than its result."""
     n, k, bits = weight.out_features, weight.in_features, weight.bits
     panels, groups = -(-n // PANEL), weight.scales.shape[1]
     values = torch.empty(panels, k * PANEL * bits // 8, dtype=torch.uint8)
@@ -251,18 +295,15 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
     # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets; GGUF's float16 scales half the bytes
     symmetric = {z: True for z in (8, 128, 32) if z < 2 ** bits}
     halves = True
-    step = PANELS_PER_PIECE
+    step = max(1, PIECE_BYTES // (PANEL * k))
     for first in range(0, panels, step):
         rows = slice(first * PANEL, min(n, (first + step) * PANEL))
         count = min(step, panels - first)
         padding = count * PANEL - (rows.stop - rows.start)
-        u = F.pad(unpack_values(weight.values[rows], bits), (0, 0, 0, padding))
-        if bits == 4:  # a lane's bytes: inputs 0 | 2 << 4, 4 | 6 << 4, 1 | 3 << 4, 5 | 7 << 4 of each 8
-            lanes = u.reshape(count, PANEL, k // 8, 8).transpose(1, 2)
-            packed = lanes[..., [0, 4, 1, 5]] | (lanes[..., [2, 6, 3, 7]] << 4)
-        else:  # a lane's bytes: inputs 0, 2, 1, 3 of each 4
-            packed = u.reshape(count, PANEL, k // 4, 4).transpose(1, 2)[..., [0, 2, 1, 3]]
-        values[first:first + count] = packed.reshape(count, -1)
+        u = unpack_values(weight.values[rows], bits)
+        if padding:
+            u = F.pad(u, (0, 0, 0, padding))
+        values[first:first + count] = (_lanes_4bit if bits == 4 else _lanes_8bit)(u, count, k)
         scale, offset = (F.pad(t[rows], (0, 0, 0, padding)) for t in (weight.scales, weight.offsets))
         scales[first:first + count] = scale.reshape(count, PANEL, groups).transpose(1, 2)
         offsets[first:first + count] = offset.reshape(count, PANEL, groups).transpose(1, 2)
