@@ -1,11 +1,13 @@
 """pagedllm's GGUF reader against gguf's own GGUFReader: the same metadata and the same tensor views, read in a
 fraction of the time; a damaged file refused by name."""
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
 
-from pagedllm.errors import ModelNotFoundError
+from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
 from pagedllm.models.gguf_file import open_gguf
 
 
@@ -67,3 +69,12 @@ def test_a_file_cut_anywhere_is_refused_naming_it(written, tmp_path, keep):
     damaged.write_bytes(written.read_bytes()[:keep])
     with pytest.raises(ModelNotFoundError, match="damaged.gguf is truncated"):
         open_gguf(damaged)
+
+
+def test_a_tensor_type_gguf_does_not_know_asks_for_a_newer_gguf(tmp_path):
+    header = struct.pack("<4sIQQ", b"GGUF", 3, 1, 0)  # one tensor, no metadata
+    info = struct.pack("<Q1sIQIQ", 1, b"t", 1, 32, 9999, 0)  # name "t", one dimension of 32, type 9999, offset 0
+    path = tmp_path / "future.gguf"
+    path.write_bytes(header + info + bytes(-len(header + info) % 32) + bytes(64))
+    with pytest.raises(UnsupportedModelError, match="tensor t has GGML type 9999.*upgrade"):
+        open_gguf(path)

@@ -15,7 +15,8 @@ FOLDERS = {"core": "pagedllm", "backends": "pagedllm.backends", "plugins": "page
 # types and the backend contract; backends sit beside the engine and import only the contract.
 ROOMS = [
     "pagedllm.utils", "pagedllm.errors", "pagedllm.logger", "pagedllm.version",
-    "pagedllm.config", "pagedllm.batch", "pagedllm.lora_request", "pagedllm.sampling_params", "pagedllm.outputs", "pagedllm.models",
+    "pagedllm.config", "pagedllm.batch", "pagedllm.lora_request", "pagedllm.sampling_params", "pagedllm.outputs",
+    "pagedllm.models",
     "pagedllm.backend", "pagedllm.request", "pagedllm.plugins",
     "pagedllm.backends.common", "pagedllm.backends.cpu.layers", "pagedllm.backends.cpu.runner",
     "pagedllm.backends.cpu.tensor_parallel", "pagedllm.backends.cpu", "pagedllm.backends.openvino",

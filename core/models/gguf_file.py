@@ -15,14 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedllm.errors import ModelNotFoundError
+from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _STRING, _ARRAY = 8, 9
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_SCALARS = {kind: struct.Struct(fmt) for kind, fmt in
+            {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+             12: "<d"}.items()}
+_U32, _U64 = _SCALARS[4], _SCALARS[10]
 _DEFAULT_ALIGNMENT = 32
+# tensor types read as typed values; every other one (BF16 included) stays bytes, as gguf's reader gives them
+_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+          "I64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,15 @@ class GGUFFile:
 def open_gguf(path: Path, skip_prefixes: tuple[str, ...] = ()) -> GGUFFile:
     """``path``'s metadata and tensors (memory-mapped read-only). Keys starting with one of ``skip_prefixes`` are
     stepped over unread (a loader that takes its tokenizer elsewhere skips ``tokenizer.``). A file cut short (a
-    download interrupted) or otherwise damaged raises ``ModelNotFoundError`` naming it and what is wrong."""
+    download interrupted) or otherwise damaged raises ``ModelNotFoundError`` naming it and what is wrong; a tensor
+    type newer than the installed ``gguf`` package, ``UnsupportedModelError``."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         contents = _Parser(buffer, skip_prefixes).parse()
+    except UnsupportedModelError:
+        raise
     except (ValueError, IndexError, KeyError, UnicodeDecodeError, struct.error) as exc:
         raise ModelNotFoundError(f"{path} is truncated or damaged: it cannot be read as GGUF ({exc}); fetch the "
                                  f"file again") from None
@@ -79,7 +87,7 @@ class _Parser:
         fields = {}
         for _ in range(field_count):
             key = self.string()
-            keep = not key.startswith(self.skip_prefixes) if self.skip_prefixes else True
+            keep = not key.startswith(self.skip_prefixes)
             value = self.value(self.unpack(_U32), keep)
             if keep:
                 fields[key] = value
@@ -87,7 +95,11 @@ class _Parser:
         for _ in range(tensor_count):
             name = self.string()
             dims = tuple(self.unpack(_U64) for _ in range(self.unpack(_U32)))
-            infos.append((name, dims, GGMLQuantizationType(self.unpack(_U32)), self.unpack(_U64)))
+            kind = self.unpack(_U32)
+            if kind not in GGMLQuantizationType._value2member_map_:
+                raise UnsupportedModelError(f"tensor {name} has GGML type {kind}, which the installed gguf package "
+                                            f"does not know: upgrade it (pip install -U gguf)")
+            infos.append((name, dims, GGMLQuantizationType(kind), self.unpack(_U64)))
         alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment {alignment} is not a power of two")
@@ -101,7 +113,7 @@ class _Parser:
             begin = start + offset
             shape = tuple(reversed(dims))
             view = data[begin:begin + n_bytes]
-            if kind.name in _PLAIN:  # typed values; everything else (BF16 included) stays bytes, as gguf reads it
+            if kind.name in _PLAIN:
                 view = view.view(_PLAIN[kind.name]).reshape(shape)
             else:
                 view = view.reshape(*shape[:-1], shape[-1] // block * block_bytes)
@@ -128,7 +140,7 @@ class _Parser:
         if kind == _ARRAY:
             item_kind, count = self.unpack(_U32), self.unpack(_U64)
             if item_kind in _SCALARS:  # one numpy read for the whole array
-                dtype = np.dtype(_SCALARS[item_kind])
+                dtype = np.dtype(_SCALARS[item_kind].format)
                 items = np.frombuffer(self.buffer, dtype, count, self.offset)
                 self.offset += dtype.itemsize * count
                 return items.tolist() if keep else None
@@ -136,9 +148,4 @@ class _Parser:
             return items if keep else None
         if kind not in _SCALARS:
             raise ValueError(f"unknown metadata type {kind}")
-        fmt = struct.Struct(_SCALARS[kind])
-        return self.unpack(fmt)
-
-
-_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
-          "I64": np.int64}
+        return self.unpack(_SCALARS[kind])

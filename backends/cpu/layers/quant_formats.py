@@ -133,7 +133,7 @@ PIECE_BYTES = 512 << 10
 
 
 def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> QuantizedWeight:
-    """A GGUF tensor's blocks ([rows, bytes per row] uint8, as GGUFReader gives them) in the kernels' layout."""
+    """A GGUF tensor's blocks ([rows, bytes per row] uint8, as open_gguf gives them) in the kernels' layout."""
     if type_name not in GGUF_FORMATS:
         raise ValueError(f"GGUF type {type_name} is not one the quantized kernels run ({', '.join(GGUF_FORMATS)})")
     size, inputs = _BLOCKS[type_name]
