@@ -146,12 +146,12 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
     first = _from_blocks(blocks[:step], type_name)
     if step >= rows:
         return first
-    weight = dataclasses.replace(first, **{name: torch.empty(rows, getattr(first, name).shape[1], dtype=dtype)
-                                           for name, dtype in (("values", torch.uint8), ("scales", torch.float32),
-                                                               ("offsets", torch.float32))})
+    tensors = ("values", "scales", "offsets")
+    weight = dataclasses.replace(first, **{name: getattr(first, name).new_empty(rows, getattr(first, name).shape[1])
+                                           for name in tensors})
     for start in range(0, rows, step):
         part = first if start == 0 else _from_blocks(blocks[start:start + step], type_name)
-        for name in ("values", "scales", "offsets"):
+        for name in tensors:
             getattr(weight, name)[start:start + step] = getattr(part, name)
     return weight
 
