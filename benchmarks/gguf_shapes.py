@@ -5,9 +5,11 @@ package (norms in float32, as llama.cpp wants them): llama.cpp's tensor names, i
 tokenizer (the shaped models' tokenizer) padded
 with unused tokens up to the model's vocabulary. llama.cpp's own quantizer (``llama_model_quantize``, run in the
 llama.cpp venv of llama_cpp_env.py) makes the Q8_0, Q4_0 and Q4_K_M files from it. All are cached beside the
-shaped model.
+shaped model. Name ``smollm2`` is the default model itself (its Q4_1 file's weights as transformers dequantizes them,
+then the same two steps): a real model in each format, for precision.py.
 
     python benchmarks/gguf_shapes.py llama-1b Q4_0      # prints the file's path, making it if needed
+    python benchmarks/gguf_shapes.py smollm2 Q4_K_M
 """
 
 from __future__ import annotations
@@ -24,21 +26,27 @@ import model_shapes
 
 # llama.cpp's file type of each quantization its quantizer makes here (LLAMA_FTYPE_MOSTLY_*)
 FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}
+DEFAULT_MODEL = "smollm2"  # shaped_gguf's name for the default model itself
 
 
 def shaped_gguf(name: str, qtype: str, cache: Path) -> Path:
-    """The GGUF file of shaped model ``name`` in ``qtype`` (BF16, Q8_0, Q4_0 or Q4_K_M), made on first use."""
-    from pagedllm.models.source import default_model_path, gguf_metadata_folder
+    """The GGUF file of shaped model ``name`` (or of the default model: DEFAULT_MODEL) in ``qtype`` (BF16, Q8_0,
+    Q4_0 or Q4_K_M), made on first use."""
+    from pagedllm.models.source import default_model_path, gguf_metadata_folder, resolve_model
 
-    folder = model_shapes.shaped_model(name, gguf_metadata_folder(default_model_path()), cache)
-    bf16 = folder / f"{name}-BF16-v2.gguf"  # v2: float32 norms
+    if name == DEFAULT_MODEL:
+        folder, out_dir = resolve_model(None).hf_dir, cache / "requantized"
+        out_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        folder = out_dir = model_shapes.shaped_model(name, gguf_metadata_folder(default_model_path()), cache)
+    bf16 = out_dir / f"{name}-BF16-v2.gguf"  # v2: float32 norms
     if not bf16.is_file():
         write_bf16_gguf(folder, default_model_path(), bf16)
     if qtype == "BF16":
         return bf16
     if qtype not in FILE_TYPES:
         raise SystemExit(f"unknown GGUF type {qtype!r}: choose from BF16, {', '.join(FILE_TYPES)}")
-    out = folder / f"{name}-{qtype}-v2.gguf"
+    out = out_dir / f"{name}-{qtype}-v2.gguf"
     if not out.is_file():
         quantize_with_llama_cpp(bf16, out, FILE_TYPES[qtype])
     return out

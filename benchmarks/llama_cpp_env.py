@@ -5,6 +5,9 @@ the x86-64 instruction sets up to AVX-512 with VNNI and BF16 where the CPU has A
 AVX2 (a build with AVX-512 dies of SIGILL there). Not AMX: this release's AMX kernels die of SIGILL on their first
 tile load on the AMX Xeon this was measured on (``GGML_NATIVE=ON`` turns them on), so llama.cpp runs its AVX-512
 kernels there. Each kind's wheel is built once and cached; its venv holds it and numpy.
+
+llama.cpp's own HTTP server (``llama-server``, its continuous batching over slots), the peer of a served workload, is
+built with CMake from the llama.cpp sources the same release vendors, with the same arguments, once per kind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -88,3 +92,42 @@ def probe(venv: Path) -> str | None:
     proc = subprocess.run([str(venv_python(venv)), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                           capture_output=True, text=True)
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def server_dir() -> Path:
+    """$PAGEDLLM_LLAMA_SERVER_DIR, else llama-server-<build tag> in pagedllm's cache directory."""
+    if env := os.environ.get("PAGEDLLM_LLAMA_SERVER_DIR"):
+        return Path(env)
+    from pagedllm.models.source import cache_dir
+
+    return cache_dir() / f"llama-server-{build_tag()}"
+
+
+def ensure_server(folder: Path, log=sys.stderr) -> Path:
+    """The ``llama-server`` binary, built in ``folder`` on first use: the release's source package from PyPI, its
+    vendored llama.cpp configured with this kind's arguments (no web UI, no HTTPS), only the server's target built."""
+    binary = folder / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    start = time.time()
+    print(f"building llama.cpp's llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s sources "
+          f"(several minutes on 2 cores)", file=log, flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", folder], log)
+    sdist = folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        shutil.rmtree(folder / "src", ignore_errors=True)
+        tar.extractall(folder / "src", members=members, filter="data")
+    cmake_args = CMAKE_ARGS_BY_TAG[build_tag()].split() + [
+        "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    _run(["cmake", "-S", folder / "src", "-B", folder / "build", *cmake_args], log)
+    _run(["cmake", "--build", folder / "build", "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
+    sdist.unlink()
+    print(f"built {binary} in {time.time() - start:.0f} s", file=log, flush=True)
+    return binary

@@ -5,10 +5,13 @@ matching prefix, teacher-forced top-1 agreement, and the error of the first toke
 weights as transformers dequantizes its GGUF file) and the logprob of each first token to ``precision_goldens.json``
 beside this script. ``measure`` runs pagedllm configurations against them, all 24 prompts in one batch, and prints
 a Markdown table for docs/precision.md; configuration ``llama.cpp`` runs llama.cpp on the same GGUF file, each prompt
-alone (llama_cpp_precision.py, in the llama.cpp venv of llama_cpp_env.py):
+alone (llama_cpp_precision.py, in the llama.cpp venv of llama_cpp_env.py). ``--gguf-type`` takes the default model
+requantized by llama.cpp's quantizer into Q8_0, Q4_0 or Q4_K_M instead (gguf_shapes.py), with goldens of its own:
+transformers' float32 on that file's weights, made on first use and cached beside it.
 
     python benchmarks/precision.py goldens
     python benchmarks/precision.py measure [--configs cpu-bf16-dense,cpu-fp32-u8,...] [--alone] [--output-json PATH]
+    python benchmarks/precision.py measure --gguf-type Q4_K_M --configs cpu-fp32-gguf,llama.cpp --alone
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import json
 import math
 from pathlib import Path
+
+import gguf_shapes
 
 GOLDENS = Path(__file__).with_name("precision_goldens.json")
 NEW_TOKENS = 48
@@ -65,13 +70,13 @@ def chat_prompts(tokenizer) -> list[list[int]]:
                                           tokenize=True, return_dict=False) for p in PROMPTS]
 
 
-def make_goldens() -> None:
+def make_goldens(model: Path, path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedllm.models.source import resolve_model
 
-    source = resolve_model(None)
+    source = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32).eval()
     goldens = []
@@ -79,8 +84,8 @@ def make_goldens() -> None:
         for ids in chat_prompts(tokenizer):
             tokens, first = greedy_past_eos(model, ids)
             goldens.append({"prompt_token_ids": ids, "token_ids": tokens, "first_logprob": first})
-    GOLDENS.write_text(json.dumps({"model": source.name, "new_tokens": NEW_TOKENS, "goldens": goldens}) + "\n")
-    print(f"wrote {len(goldens)} goldens to {GOLDENS}")
+    path.write_text(json.dumps({"model": source.name, "new_tokens": NEW_TOKENS, "goldens": goldens}) + "\n")
+    print(f"wrote {len(goldens)} goldens to {path}")
 
 
 def greedy_past_eos(model, ids: list[int]) -> tuple[list[int], float]:
@@ -125,11 +130,11 @@ def teacher_forced(llm, goldens: list[dict], alone: bool) -> float:
     return sum(o.outputs[0].token_ids[0] == w for o, w in zip(outs, wanted)) / len(wanted)
 
 
-def measure_config(name: str, goldens: list[dict], alone: bool = False) -> dict:
+def measure_config(name: str, goldens: list[dict], alone: bool = False, model: Path | None = None) -> dict:
     from pagedllm import LLM, SamplingParams
 
     backend, args = CONFIGS[name]
-    args = {"enable_prefix_caching": False, **args}
+    args = {"model": model, "enable_prefix_caching": False, **args}
     llm = LLM(backend=backend, max_model_len=1024, kv_cache_space=0.5, **args)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": g["prompt_token_ids"]} for g in goldens]
@@ -155,17 +160,16 @@ def measure_config(name: str, goldens: list[dict], alone: bool = False) -> dict:
             "first_logprob_error": sum(errors) / len(errors), "max_first_logprob_error": max(errors)}
 
 
-def measure_llama_cpp() -> dict:
-    """llama.cpp's row, on the default model's GGUF file (its own quantized tensors, llama.cpp's int8 activations)."""
+def measure_llama_cpp(model: Path, goldens: Path) -> dict:
+    """llama.cpp's row, on the same GGUF file (its own quantized tensors, llama.cpp's int8 activations)."""
     import subprocess
 
     import llama_cpp_env
-    from pagedllm.models.source import default_model_path
 
     venv = llama_cpp_env.default_venv_dir()
     llama_cpp_env.ensure_venv(venv)
     out = subprocess.run([str(llama_cpp_env.venv_python(venv)), str(Path(__file__).with_name("llama_cpp_precision.py")),
-                          "--model", str(default_model_path()), "--goldens", str(GOLDENS)],
+                          "--model", str(model), "--goldens", str(goldens)],
                          check=True, capture_output=True, text=True).stdout
     return {"config": f"llama.cpp {llama_cpp_env.LLAMA_CPP_PYTHON_VERSION}, the same file (one prompt at a time)",
             **json.loads(out.splitlines()[-1])}
@@ -182,26 +186,44 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def model_and_goldens(gguf_type: str | None) -> tuple[Path, Path]:
+    """The GGUF file and its goldens: the default model's own file and the repo's goldens, else the requantized file
+    and goldens cached beside it."""
+    from pagedllm.models.source import cache_dir, default_model_path
+
+    if gguf_type is None:
+        return default_model_path(), GOLDENS
+
+    model = gguf_shapes.shaped_gguf(gguf_shapes.DEFAULT_MODEL, gguf_type, cache_dir())
+    return model, model.with_suffix(".precision-goldens.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("goldens", help="write transformers' float32 goldens")
+    make = sub.add_parser("goldens", help="write transformers' float32 goldens")
     run = sub.add_parser("measure", help="compare pagedllm configurations with the goldens")
+    for command in (make, run):
+        command.add_argument("--gguf-type", choices=gguf_shapes.FILE_TYPES,
+                             help="the default model requantized into this type (default: its own Q4_1 file)")
     run.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                      help=f"comma-separated, of: {', '.join(CONFIGS)}, {LLAMA_CPP}")
     run.add_argument("--output-json", type=Path)
     run.add_argument("--alone", action="store_true",
                      help="decode each prompt alone (batch 1) instead of all 24 in one batch")
     args = parser.parse_args()
+    model, goldens_path = model_and_goldens(args.gguf_type)
+    if args.command == "goldens" or not goldens_path.is_file():
+        make_goldens(model, goldens_path)
     if args.command == "goldens":
-        make_goldens()
         return
-    goldens = json.loads(GOLDENS.read_text())["goldens"]
+    goldens = json.loads(goldens_path.read_text())["goldens"]
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS and name != LLAMA_CPP:
             parser.error(f"unknown configuration {name!r}")
-        rows.append(measure_llama_cpp() if name == LLAMA_CPP else measure_config(name, goldens, args.alone))
+        rows.append(measure_llama_cpp(model, goldens_path) if name == LLAMA_CPP
+                    else measure_config(name, goldens, args.alone, model))
         print(json.dumps(rows[-1]), flush=True)
     print("\n".join(table(rows)))
     if args.output_json:

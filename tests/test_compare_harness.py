@@ -66,6 +66,23 @@ def test_engines_take_turns_going_first_from_round_to_round():
     assert engines == ["pagedllm-openvino", "openvino-genai"]  # the caller's list is left as it was
 
 
+def test_served_workloads_pair_pagedllm_on_the_gguf_file_with_llama_server():
+    """W3 serves the GGUF file from pagedllm and from llama-server; llama.cpp has no prefix cache to turn off, and
+    its slots share one context, each as long as pagedllm's longest sequence."""
+    sys.path.insert(0, str(HARNESS.parent))
+    try:
+        import compare_vllm
+        import serving_case
+    finally:
+        sys.path.remove(str(HARNESS.parent))
+    cases = compare_vllm.cases_for("W3", ["pagedllm-gguf", "llama.cpp", "transformers"])
+    assert cases == [compare_vllm.Case("W3", "pagedllm-gguf", False), compare_vllm.Case("W3", "llama.cpp", None)]
+    cmd = serving_case.server_command("llama.cpp", Path("m.gguf"), "float32", 2048, 8001, Path("llama-server"), [],
+                                      threads=2, slots=32)
+    assert cmd == ["llama-server", "--model", "m.gguf", "--host", "127.0.0.1", "--port", "8001", "--threads", "2",
+                   "--threads-batch", "2", "--parallel", "32", "--ctx-size", str(32 * 2048)]
+
+
 def test_the_w0_limit_counts_the_weights_a_decode_step_reads():
     """SmolLM2's GGUF ties its head to the embedding table, which a step then reads whole: every tensor counts."""
     import gguf
