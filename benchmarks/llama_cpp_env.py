@@ -122,7 +122,8 @@ def ensure_server(folder: Path, log=sys.stderr) -> Path:
         for member in members:
             member.name = member.name[len(prefix):]
         shutil.rmtree(folder / "src", ignore_errors=True)
-        tar.extractall(folder / "src", members=members, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.12, and 3.10/3.11 patches
+        tar.extractall(folder / "src", members=members, **safe)
     cmake_args = CMAKE_ARGS_BY_TAG[build_tag()].split() + [
         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
