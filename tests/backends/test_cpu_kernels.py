@@ -1,5 +1,7 @@
 """The C++ paged attention kernels (decode, prompt chunks) against plain torch math on the same cache contents."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -92,14 +94,92 @@ def test_kernel_matches_torch(dtype, cache, window, kernels):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@contextlib.contextmanager
+def intra_op_threads(count: int):
+    """The kernels cut a sequence into runs for threads that would otherwise idle: more threads than KV heads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def attend_and_compare(kernels, dtype, caches, table, lens: list[int], window: int, shared_blocks: int = 0) -> None:
+    width = table.shape[1]
+    q = torch.randn(len(lens), HKV * GROUPS, D).to(dtype)
+    keys = caches[0].gather(table.reshape(-1), len(lens), width, torch.float32)
+    values = caches[1].gather(table.reshape(-1), len(lens), width, torch.float32)
+    expected = reference(q, keys, values, lens, D ** -0.5, window)
+    out = torch.empty_like(q)
+    k, v = caches
+    kernels.paged_decode_attention(out, q, k.data, v.data, getattr(k, "scale", None), getattr(k, "minimum", None),
+                                   getattr(v, "scale", None), getattr(v, "minimum", None), table,
+                                   torch.tensor(lens), D ** -0.5, window, shared_blocks=shared_blocks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                          (torch.float32, "u8")])
+@pytest.mark.parametrize("window", [-1, 700])
+@pytest.mark.parametrize("threads", [1, 8])
+def test_long_contexts_are_attended_chunk_by_chunk_and_in_runs(dtype, cache, window, threads, kernels):
+    """Contexts of several chunks (128 KiB of a cache each: 512 float32 keys at head size 64, 1024 bf16, 2048 u8),
+    a window that starts inside one, one sequence alone and a batch; with 8 threads a sequence's 3 KV heads leave
+    threads idle, so each is cut into runs whose partial sums are merged."""
+    torch.manual_seed(0)
+    for lens in ([4500], [1, 17, 600, 1300, 4500]):
+        num_blocks = sum(cdiv(n, BS) for n in lens) + 4
+        caches = make_caches(cache, num_blocks)
+        table, _ = fill_caches(caches, lens, num_blocks)
+        with intra_op_threads(threads):
+            attend_and_compare(kernels, dtype, caches, table, lens, window)
+
+
+def test_without_runs_a_sequence_sums_alike_alone_and_in_a_batch(kernels):
+    """split_runs=False (batch-invariant mode) keeps a long sequence's sums in one order, bitwise, whatever else is
+    in the step; with runs, alone it is cut into several and merged."""
+    torch.manual_seed(0)
+    lens = [3000] + [40] * 7
+    caches = make_caches("fp32", 300)
+    table, _ = fill_caches(caches, lens, 300)
+    q = torch.randn(len(lens), HKV * GROUPS, D)
+    k, v = caches
+    outs = {}
+    with intra_op_threads(8):
+        for split in (False, True):
+            for count in (1, len(lens)):
+                out = torch.empty_like(q[:count])
+                kernels.paged_decode_attention(out, q[:count], k.data, v.data, None, None, None, None,
+                                               table[:count].contiguous(), torch.tensor(lens[:count]), D ** -0.5, -1,
+                                               split_runs=split)
+                outs[split, count] = out[0]
+    torch.testing.assert_close(outs[False, 1], outs[False, len(lens)], atol=0, rtol=0)
+    assert not torch.equal(outs[True, 1], outs[True, len(lens)])  # cut into runs alone, whole in the batch
+    torch.testing.assert_close(outs[True, 1], outs[False, 1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])
+def test_runs_merge_with_a_shared_prefix(dtype, cache, kernels):
+    torch.manual_seed(0)
+    lens = [1600, 2100, 1250, 1900]
+    caches = make_caches(cache, 512)
+    table = fill_shared_prefix(caches, 9, lens, 512)
+    with intra_op_threads(8):
+        attend_and_compare(kernels, dtype, caches, table, lens, -1, shared_blocks=9)
+
+
 @pytest.mark.parametrize("dtype, cache", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.bfloat16)])
-def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, kernels):
+@pytest.mark.parametrize("threads", [1, 8])
+def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, threads, kernels):
     """Given this step's keys and values, the kernel writes them into their slots before attending: the same
-    cache contents and output as a row copy followed by the kernel."""
+    cache contents and output as a row copy followed by the kernel (with 8 threads the longest sequence is cut into
+    runs, and the run holding its newest token writes it)."""
     torch.manual_seed(1)
-    lens = [1, 16, 17, 33]
-    num_blocks = 16
+    lens = [1, 16, 17, 33, 2100]
+    num_blocks = 700
     width = max(cdiv(n, BS) for n in lens)
     table = torch.randperm(num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
     positions = torch.tensor(lens) - 1
@@ -120,8 +200,9 @@ def test_kernel_stores_the_new_rows_it_is_given(dtype, cache, kernels):
             v.write(new_v, rows)
         out = torch.empty_like(q)
         extra = dict(new_keys=new_k, new_values=new_v, slots=slots) if in_kernel else {}
-        kernels.paged_decode_attention(out, q, k.data, v.data, None, None, None, None, table, torch.tensor(lens),
-                                       D ** -0.5, -1, **extra)
+        with intra_op_threads(threads):
+            kernels.paged_decode_attention(out, q, k.data, v.data, None, None, None, None, table,
+                                           torch.tensor(lens), D ** -0.5, -1, **extra)
         outputs.append(out)
         contents.append((k.data.clone(), v.data.clone()))
     torch.testing.assert_close(outputs[1], outputs[0], atol=0, rtol=0)

@@ -1,15 +1,23 @@
 // Decode attention straight from the paged KV cache: no gather copy of the cached keys and values.
 //
-// One work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored against every
-// cached token in place, softmaxed, and used to sum the values. Blocks that all the decodes' tables begin with (a
-// prompt prefix shared through the prefix cache) are attended first, once per tile of sequences (bf16: as tile GEMMs
-// through brgemm). Each pass over a sequence's blocks asks for the blocks of the pass after it (its values, then the
-// next item's keys) into L2, so memory reads overlap with arithmetic.
+// One work item per (sequence, KV head): the query heads sharing that KV head (GQA group) are scored against the
+// cached tokens in place, softmaxed, and used to sum the values, a chunk of blocks at a time with an online softmax.
+// While a chunk's keys are scored its values are asked for into L2, and while they are summed, the next chunk's keys.
+// With fewer items than threads can share (batch-1 decode has as many as KV heads), a long sequence is cut into runs of
+// chunks whose partial sums are merged after (split-K, as flash-decoding). Blocks that all the decodes' tables begin
+// with (a prompt prefix shared through the prefix cache) are attended first, once per tile of sequences (bf16: as tile
+// GEMMs through brgemm), and merged the same way.
 #include "attention_common.h"
 
 namespace {
 
 using namespace pagedllm;
+
+// Bytes of one cache per chunk of a sequence's keys: a chunk's values are fetched into L2 while its keys are scored and
+// summed right after, so long contexts do not evict them first (as whole-sequence passes did).
+constexpr int64_t kChunkBytes = 128 << 10;
+// Runs one (sequence, KV head) may be cut into, to give every thread work when there are few sequences.
+constexpr int64_t kMaxRuns = 64;
 
 #if PAGEDLLM_DPBF16
 // The shared prefix of bf16 decodes over a bf16 cache as tile GEMMs (see prefill_bf16_brgemm below): its keys and
@@ -74,7 +82,7 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
             const c10::optional<at::Tensor>& value_min, const at::Tensor& block_table,
             const at::Tensor& seq_lens, double scale, int64_t window, const c10::optional<at::Tensor>& new_keys,
             const c10::optional<at::Tensor>& new_values, const c10::optional<at::Tensor>& slots,
-            int64_t shared_blocks) {
+            int64_t shared_blocks, bool split_runs) {
   const int64_t num_seqs = query.size(0);
   const PagedCache<cache_t> cache(key_cache, value_cache, key_scale, key_min, value_scale, value_min, block_table);
   const int64_t num_heads = query.size(1), dim = cache.dim, kv_heads = cache.kv_heads, block_size = cache.block_size;
@@ -143,59 +151,159 @@ void decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cach
 
   // The first key a sequence of `len` tokens reads here: past the window, or past the shared prefix.
   const auto first_key = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : shared_len; };
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // A work item is one (sequence, KV head), cut into `parts` runs of whole chunks when there are too few of them to
+  // share the threads evenly (one sequence has only as many as KV heads); the runs' partial sums are merged after.
+  const int64_t pairs = num_seqs * kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk_blocks =
+      std::max<int64_t>(1, kChunkBytes / (block_size * dim * static_cast<int64_t>(sizeof(cache_t))));
+  int64_t most_chunks = 1;  // a run is whole chunks: no more runs than the longest sequence has chunks
+  for (int64_t i = 0; i < num_seqs; ++i)
+    most_chunks =
+        std::max(most_chunks, cdiv(cdiv(lens[i], block_size) - first_key(lens[i]) / block_size, chunk_blocks));
+  const int64_t parts =
+      !split_runs || pairs >= 2 * threads ? 1 : std::min({kMaxRuns, most_chunks, cdiv(2 * threads, pairs)});
+  struct Run {
+    int64_t seq, head, len, first, begin_block, end_block;
+    bool last;  // the run holding the sequence's newest token
+  };
+  const auto run_of = [&](int64_t item, Run& r) {
+    const int64_t pair = item / parts, part = item % parts;
+    r.seq = pair / kv_heads;
+    r.head = pair % kv_heads;
+    r.len = lens[r.seq];
+    r.first = first_key(r.len);
+    const int64_t first_block = r.first / block_size, end_block = cdiv(r.len, block_size);
+    const int64_t chunks = cdiv(end_block - first_block, chunk_blocks), used = std::min(parts, chunks);
+    if (part >= used) return false;
+    r.begin_block = first_block + part * chunks / used * chunk_blocks;
+    r.end_block = std::min(end_block, first_block + (part + 1) * chunks / used * chunk_blocks);
+    r.last = part == used - 1;
+    return true;
+  };
+  // Each run's unnormalized sums, largest scores and sums of numerators, when there are several per item.
+  std::vector<float> run_acc(parts > 1 ? pairs * parts * groups * dim : 0);
+  std::vector<float> run_peak(parts > 1 ? pairs * parts * groups : 0), run_sum(run_peak.size());
+  // dst = the softmax-weighted sum of the values from `n` runs' partial sums over disjoint keys (a run whose sum is
+  // 0 saw no keys), and the shared prefix's when there is one: each rescaled to the largest score of all.
+  const auto merge = [&](int64_t at, int64_t n, const float* const* acc, const float* peak, const float* sum) {
+    scalar_t* dst = out_ptr + at * dim;
+    if (n == 1 && shared_blocks == 0) {  // nothing to merge: a loop the compiler vectorizes
+      const float inv = 1.f / sum[0];
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[0][d] * inv);
+      return;
+    }
+    float top = shared_blocks > 0 ? shared_max[at] : -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i)
+      if (sum[i] > 0.f) top = std::max(top, peak[i]);
+    float weights[kMaxRuns + 1], denominator = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      weights[i] = sum[i] > 0.f ? exp_nonpositive(peak[i] - top) : 0.f;
+      denominator += weights[i] * sum[i];
+    }
+    const float prefix = shared_blocks > 0 ? exp_nonpositive(shared_max[at] - top) : 0.f;
+    if (shared_blocks > 0) denominator += prefix * shared_sum[at];
+    const float inv = 1.f / denominator;
+    for (int64_t d = 0; d < dim; ++d) {
+      float value = shared_blocks > 0 ? shared_acc[at * dim + d] * prefix : 0.f;
+      for (int64_t i = 0; i < n; ++i) value += weights[i] == 0.f ? 0.f : acc[i][d] * weights[i];
+      dst[d] = static_cast<scalar_t>(value * inv);
+    }
+  };
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
     QueryRows<scalar_t, cache_t> q(groups, dim, scale);
-    std::vector<float> acc(groups * dim), scores, inv_sum(groups);
-    std::vector<float> peak(groups);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, head = item % kv_heads;
-      const int64_t len = lens[seq];
-      const int64_t first = first_key(len);
-      if (write_new) {
-        const int64_t slot = slot_ptr[seq];
-        const int64_t row = ((slot / block_size) * kv_heads + head) * block_size + slot % block_size;
-        store_row(k_out + row * dim, nk_ptr + seq * nk_seq_stride + head * nk_head_stride, dim);
-        store_row(v_out + row * dim, nv_ptr + seq * nv_seq_stride + head * nv_head_stride, dim);
+    std::vector<float> acc(groups * dim), scores(groups * chunk_blocks * block_size), peak(groups), sum(groups);
+    Run r, next;
+    int64_t next_item = begin;
+    const auto find_next = [&](int64_t from) {
+      for (next_item = from; next_item < end; ++next_item)
+        if (run_of(next_item, next)) return true;
+      return false;
+    };
+    bool have = find_next(begin);
+    while (have) {
+      r = next;
+      const int64_t item = next_item;
+      have = find_next(item + 1);
+      if (write_new && r.last) {
+        const int64_t slot = slot_ptr[r.seq];
+        const int64_t row = ((slot / block_size) * kv_heads + r.head) * block_size + slot % block_size;
+        store_row(k_out + row * dim, nk_ptr + r.seq * nk_seq_stride + r.head * nk_head_stride, dim);
+        store_row(v_out + row * dim, nv_ptr + r.seq * nv_seq_stride + r.head * nv_head_stride, dim);
       }
-      for (int64_t g = 0; g < groups; ++g) q.set(g, q_ptr + seq * q_seq_stride + (head * groups + g) * q_head_stride);
-      // Scores are laid out per block-aligned position from the first block, so blocks never straddle rows.
-      const int64_t first_block = first / block_size, end_block = cdiv(len, block_size);
-      const int64_t origin = first_block * block_size, span = end_block * block_size - origin;
-      scores.resize(groups * span);
-      // Pass 1: scores of every query head of the group against every cached key, block by block.
-      cache.score(seq, head, q, groups, first_block, len, scores.data(), span);
-      for (int64_t g = 0; g < groups; ++g) {
-        float* s = scores.data() + g * span;
-        const int64_t lo = first - origin, hi = len - origin;  // the keys this query may see
-        inv_sum[g] = softmax_numerators(s + lo, hi - lo, &peak[g]);
-        std::fill(s, s + lo, 0.f);
-        std::fill(s + hi, s + span, 0.f);
-      }
-      // Pass 2: the probability-weighted sum of the values, while the next item's keys are fetched.
-      typename PagedCache<cache_t>::Later next_keys;
-      if (item + 1 < end) {
-        const int64_t next_seq = (item + 1) / kv_heads, next_len = lens[next_seq];
-        next_keys = cache.later(cache.keys, next_seq, (item + 1) % kv_heads, first_key(next_len) / block_size,
-                                next_len);
-      }
+      for (int64_t g = 0; g < groups; ++g)
+        q.set(g, q_ptr + r.seq * q_seq_stride + (r.head * groups + g) * q_head_stride);
       std::fill(acc.begin(), acc.end(), 0.f);
-      cache.accumulate(seq, head, scores.data(), groups, first_block, len, span, acc.data(), next_keys);
+      std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      // Chunk by chunk: its keys scored while its values are fetched, the scores' numerators rescaled to the
+      // largest score so far (online softmax), then its values summed while the next chunk's keys are fetched.
+      for (int64_t b0 = r.begin_block; b0 < r.end_block; b0 += chunk_blocks) {
+        const int64_t b1 = std::min(r.end_block, b0 + chunk_blocks);
+        const int64_t origin = b0 * block_size, span = (b1 - b0) * block_size;
+        const int64_t stop = std::min(r.len, b1 * block_size);  // one past the chunk's last key
+        cache.score(r.seq, r.head, q, groups, b0, stop, scores.data(), span);
+        for (int64_t g = 0; g < groups; ++g) {
+          float* s = scores.data() + g * span;
+          const int64_t lo = std::max<int64_t>(0, r.first - origin), hi = stop - origin;  // the keys it may see
+          float chunk_peak;
+          float chunk_sum = 1.f / softmax_numerators(s + lo, hi - lo, &chunk_peak);
+          std::fill(s, s + lo, 0.f);
+          std::fill(s + hi, s + span, 0.f);
+          if (chunk_peak > peak[g]) {
+            if (sum[g] > 0.f) {
+              const float shrink = exp_nonpositive(peak[g] - chunk_peak);
+              for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= shrink;
+              sum[g] *= shrink;
+            }
+            peak[g] = chunk_peak;
+          } else {
+            const float shrink = exp_nonpositive(chunk_peak - peak[g]);
+            for (int64_t t = lo; t < hi; ++t) s[t] *= shrink;
+            chunk_sum *= shrink;
+          }
+          sum[g] += chunk_sum;
+        }
+        typename PagedCache<cache_t>::Later next_keys;
+        if (b1 < r.end_block)
+          next_keys = cache.later(cache.keys, r.seq, r.head, b1, std::min(r.len, r.end_block * block_size));
+        else if (have)
+          next_keys = cache.later(cache.keys, next.seq, next.head, next.begin_block,
+                                  std::min(next.len, next.end_block * block_size));
+        cache.accumulate(r.seq, r.head, scores.data(), groups, b0, stop, span, acc.data(), next_keys);
+      }
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = seq * num_heads + head * groups + g;
-        scalar_t* dst = out_ptr + at * dim;
-        if (shared_blocks > 0) {  // merged with the shared prefix's part, both rescaled to the larger maximum
-          const float top = std::max(peak[g], shared_max[at]);
-          const float own = exp_nonpositive(peak[g] - top), prefix = exp_nonpositive(shared_max[at] - top);
-          const float inv = 1.f / (own / inv_sum[g] + prefix * shared_sum[at]);
-          const float* part = shared_acc.data() + at * dim;
-          for (int64_t d = 0; d < dim; ++d)
-            dst[d] = static_cast<scalar_t>((acc[g * dim + d] * own + part[d] * prefix) * inv);
+        const int64_t at = r.seq * num_heads + r.head * groups + g;
+        if (parts == 1) {
+          const float* own = acc.data() + g * dim;
+          merge(at, 1, &own, &peak[g], &sum[g]);
         } else {
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * dim + d] * inv_sum[g]);
+          const int64_t slot = item * groups + g;
+          std::copy(acc.begin() + g * dim, acc.begin() + (g + 1) * dim, run_acc.begin() + slot * dim);
+          run_peak[slot] = peak[g];
+          run_sum[slot] = sum[g];
         }
       }
     }
   });
+  if (parts > 1) {
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      const float* accs[kMaxRuns];
+      float peaks[kMaxRuns], sums[kMaxRuns];
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t seq = pair / kv_heads, head = pair % kv_heads;
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t p = 0; p < parts; ++p) {
+            const int64_t slot = (pair * parts + p) * groups + g;
+            accs[p] = run_acc.data() + slot * dim;
+            peaks[p] = run_peak[slot];
+            sums[p] = run_sum[slot];
+          }
+          merge(seq * num_heads + head * groups + g, parts, accs, peaks, sums);
+        }
+      }
+    });
+  }
 }
 
 template <typename scalar_t>
@@ -205,22 +313,22 @@ void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
                     const c10::optional<at::Tensor>& value_min, const at::Tensor& block_table,
                     const at::Tensor& seq_lens, double scale, int64_t window,
                     const c10::optional<at::Tensor>& new_keys, const c10::optional<at::Tensor>& new_values,
-                    const c10::optional<at::Tensor>& slots, int64_t shared_blocks) {
+                    const c10::optional<at::Tensor>& slots, int64_t shared_blocks, bool split_runs) {
   switch (key_cache.scalar_type()) {
     case at::kFloat:
       decode<scalar_t, float>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
                               block_table, seq_lens, scale, window, new_keys, new_values, slots,
-                              shared_blocks);
+                              shared_blocks, split_runs);
       break;
     case at::kBFloat16:
       decode<scalar_t, at::BFloat16>(out, query, key_cache, value_cache, key_scale, key_min, value_scale,
                                      value_min, block_table, seq_lens, scale, window, new_keys, new_values, slots,
-                                     shared_blocks);
+                                     shared_blocks, split_runs);
       break;
     case at::kByte:
       decode<scalar_t, uint8_t>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
                                 block_table, seq_lens, scale, window, new_keys, new_values, slots,
-                                shared_blocks);
+                                shared_blocks, split_runs);
       break;
     default:
       TORCH_CHECK(false, "paged decode attention: unsupported cache dtype ", key_cache.scalar_type());
@@ -233,13 +341,15 @@ void dispatch_cache(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 // (counting this step's token). new_keys/new_values [num_seqs, kv_heads, head_size] and slots int64 [num_seqs], when
 // given, are written into the caches first (float and bfloat16 caches). The first shared_blocks columns of
 // block_table must be the same blocks for every sequence (a shared prefix, full blocks, each sequence longer).
+// split_runs lets a long sequence be cut into runs for threads that few sequences would leave idle; false keeps each
+// sequence's sums in one order whatever else is in the batch (batch invariance).
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
                             c10::optional<at::Tensor> key_min, c10::optional<at::Tensor> value_scale,
                             c10::optional<at::Tensor> value_min, at::Tensor block_table,
                             at::Tensor seq_lens, double scale, int64_t window,
                             c10::optional<at::Tensor> new_keys, c10::optional<at::Tensor> new_values,
-                            c10::optional<at::Tensor> slots, int64_t shared_blocks) {
+                            c10::optional<at::Tensor> slots, int64_t shared_blocks, bool split_runs) {
   TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous(), "query rows and out must be contiguous");
   if (new_keys.has_value()) {
     TORCH_CHECK(new_values.has_value() && slots.has_value(), "new_keys needs new_values and slots");
@@ -266,12 +376,12 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
     case at::kFloat:
       dispatch_cache<float>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
                             block_table, seq_lens, scale, window, new_keys, new_values, slots,
-                            shared_blocks);
+                            shared_blocks, split_runs);
       break;
     case at::kBFloat16:
       dispatch_cache<at::BFloat16>(out, query, key_cache, value_cache, key_scale, key_min, value_scale, value_min,
                                    block_table, seq_lens, scale, window, new_keys, new_values, slots,
-                                   shared_blocks);
+                                   shared_blocks, split_runs);
       break;
     default:
       TORCH_CHECK(false, "paged decode attention: unsupported query dtype ", query.scalar_type());

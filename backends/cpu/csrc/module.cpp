@@ -13,7 +13,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
                             c10::optional<at::Tensor> value_min, at::Tensor block_table,
                             at::Tensor seq_lens, double scale, int64_t window,
                             c10::optional<at::Tensor> new_keys, c10::optional<at::Tensor> new_values,
-                            c10::optional<at::Tensor> slots, int64_t shared_blocks);
+                            c10::optional<at::Tensor> slots, int64_t shared_blocks, bool split_runs);
 void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                              at::Tensor value_cache, c10::optional<at::Tensor> key_scale,
                              c10::optional<at::Tensor> key_min, c10::optional<at::Tensor> value_scale,
@@ -74,7 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("window"), py::arg("new_keys") = py::none(), py::arg("new_values") = py::none(),
-        py::arg("slots") = py::none(), py::arg("shared_blocks") = 0);
+        py::arg("slots") = py::none(), py::arg("shared_blocks") = 0, py::arg("split_runs") = true);
   m.def("paged_prefill_attention", &paged_prefill_attention, "prompt chunks' attention over a paged KV cache",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("key_scale"),
         py::arg("key_min"), py::arg("value_scale"), py::arg("value_min"), py::arg("block_table"),

@@ -210,7 +210,7 @@ def attend(layer_idx: int, query: torch.Tensor, new_keys: torch.Tensor, new_valu
     if metadata.per_token:
         kernels.paged_decode_attention(out=out, query=query, **caches, block_table=metadata.token_table,
                                        seq_lens=metadata.token_lens, scale=scale, window=window or -1,
-                                       shared_blocks=0)
+                                       shared_blocks=0, split_runs=False)
         return out
     if num_decodes and kernels is not None:
         new_rows = dict(new_keys=new_keys[:num_decodes], new_values=new_values[:num_decodes],
