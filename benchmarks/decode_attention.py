@@ -2,8 +2,10 @@
 
 Each case fills 30 layers' key and value caches (as the engine allocates them) and runs the kernel over all of them,
 as one step would: W1's 64 sequences at context 316 reading scattered blocks, and W2's 32 sequences at context 584
-whose first 512 tokens are a shared prefix (with and without the kernel's shared-prefix path). Beside them, a plain
-sequential read of the same bytes gives the memory floor of the first case on this machine.
+whose first 512 tokens are a shared prefix (with and without the kernel's shared-prefix path), and one request at
+context 8192 (an agent's long conversation: fewer (sequence, KV head) items than threads can share, so the kernel
+cuts the sequence into runs). Beside them, a plain sequential read of the same bytes gives the memory floor of the
+first case on this machine.
 
     python benchmarks/decode_attention.py                # bf16 (the kernels of this CPU's ISA level)
     python benchmarks/decode_attention.py --dtype float32 --repeat 30
@@ -77,7 +79,8 @@ def main() -> None:
     u8 = args.kv_cache == "u8"
     print(f"{description}; {args.dtype} queries, {'u8' if u8 else args.dtype} cache, {args.threads} threads, "
           f"{LAYERS} layers per step")
-    for name, seqs, context, prefix in (("W1 decode", 64, 316, 0), ("W2 decode", 32, 584, 512 // BLOCK_SIZE)):
+    cases = (("W1 decode", 64, 316, 0), ("W2 decode", 32, 584, 512 // BLOCK_SIZE), ("one long decode", 1, 8192, 0))
+    for name, seqs, context, prefix in cases:
         caches, table, lens, q = make_case(seqs, context, prefix, dtype, u8)
         out = torch.empty_like(q)
         for shared in sorted({0, prefix}):
