@@ -249,6 +249,20 @@ def test_prefill_kernel_matches_torch(dtype, cache, window, kernels):
     check_prefill(kernels, dtype, caches, table, past_lens, q_lens, window)
 
 
+@pytest.mark.parametrize("dtype, cache", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float32, "u8")])
+@pytest.mark.parametrize("window", [-1, 700])
+def test_prefill_behind_long_cached_contexts(dtype, cache, window, kernels):
+    """Prompt chunks behind long cached contexts (an agent's conversation): a short chunk after 1000 and 2040
+    cached tokens, a window that starts far inside the context, and a long chunk of its own."""
+    torch.manual_seed(4)
+    past_lens, q_lens = [1000, 2040, 0], [40, 30, 600]
+    lengths = [p + n for p, n in zip(past_lens, q_lens)]
+    num_blocks = sum(cdiv(n, BS) for n in lengths) + 4
+    caches = make_caches(cache, num_blocks)
+    table, _ = fill_caches(caches, lengths, num_blocks)
+    check_prefill(kernels, dtype, caches, table, past_lens, q_lens, window)
+
+
 @pytest.mark.parametrize("dim", [16, 48, 80, 128])
 def test_prefill_kernel_matches_torch_at_other_head_sizes(dim, kernels):
     """bf16's tile GEMMs pack values 32 dimensions at a time, then the remainder one by one: head sizes that are and
