@@ -206,6 +206,27 @@ def test_float32_tiles_equal_the_gemm_over_the_dequantized_weight(kernels, type_
             assert wide.dtype == torch.float32 and torch.equal(rounded, wide.bfloat16())
 
 
+def test_kept_kernel_arguments_follow_replaced_buffers(kernels):
+    """The layer keeps its kernels' weight arguments between calls; replacing a buffer or converting the module
+    (.to, .double: new tensors) makes them again, so a call never reads a dropped tensor."""
+    from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+
+    raw = gguf_blocks("Q4_0", 32, 64, seed=3)
+    bias = torch.randn(32)
+    layer = QuantizedLinear(qf.from_gguf(raw, "Q4_0", 32, 64), bias, kernels, bf16=False)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        first = layer(x)
+        assert layer.kernel_weight()[0] is layer.values and layer.kernel_weight()[-1] is layer.bias
+        layer.bias = torch.zeros(32)
+        assert layer.kernel_weight()[-1] is layer.bias
+        torch.testing.assert_close(layer(x), first - bias, rtol=1e-5, atol=1e-5)
+    before = layer.kernel_weight()
+    layer.double()  # _apply: the float buffers (scales, offsets, bias) become new tensors
+    assert layer.scales is not before[1] and layer.kernel_weight()[1] is layer.scales
+    assert layer.kernel_weight()[-1] is layer.bias
+
+
 @pytest.mark.cpu_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):

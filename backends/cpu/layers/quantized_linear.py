@@ -90,14 +90,32 @@ class QuantizedLinear(torch.nn.Module):
             return "int8 and bf16 tiles" if self.int8_activations else "bf16"
         return "int8" if self.int8_activations else "int16"
 
+    def kernel_weight(self) -> tuple:
+        """(values, scales, offsets, bits, group, zero, out_features, bias): the kernels' weight arguments, kept once
+        made: looking the buffers up through Module.__getattr__ costs a few microseconds on every call of a decode
+        step's small linears."""
+        made = self.__dict__.get("_kernel_weight")
+        if made is None:
+            made = self.__dict__["_kernel_weight"] = (self.values, self.scales, self.offsets, self.bits, self.group,
+                                                      self.zero, self.out_features, self.bias)
+        return made
+
     @property
     def arguments(self) -> tuple:
         """The weight's first arguments of the kernels that take the column count (quant_formats.PanelWeight's)."""
-        return self.values, self.scales, self.offsets, self.bits, self.group, self.zero, self.out_features
+        return self.kernel_weight()[:-1]
+
+    def __setattr__(self, name: str, value) -> None:
+        self.__dict__.pop("_kernel_weight", None)  # a buffer may be replaced: made again on next use
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__.pop("_kernel_weight", None)  # .to(), .float() and the like give the buffers new tensors
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        weight = (*self.arguments, self.bias)
+        weight = self.kernel_weight()
         if self.bf16_kernels:
             if self.kernel_only or rows > self.few_rows:
                 return self._kernels.quantized_linear_bf16(x, *weight, self.float_output)
