@@ -18,3 +18,20 @@ def module_command(module: str, *args: str) -> list[str]:
     code = (f"import runpy, sys; del sys.path[0]; sys.argv[0] = {module!r}; "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
     return [sys.executable, "-c", code, *args]
+
+
+def skip_unused_sklearn_import() -> None:
+    """Keep transformers' model classes from importing scikit-learn, which nncf (the openvino backend's) installs:
+    transformers uses it only for assisted generation's adaptive confidence threshold, which pagedllm never runs,
+    and the import costs every process that builds a model about a fifth of its imports' time. Call before the
+    model classes are first imported; later calls do nothing."""
+    if "transformers.generation.candidate_generator" in sys.modules:
+        return
+    import transformers.utils
+
+    available = transformers.utils.is_sklearn_available
+    transformers.utils.is_sklearn_available = lambda: False
+    try:
+        import transformers.generation.candidate_generator  # noqa: F401  (the one module that keeps the answer)
+    finally:
+        transformers.utils.is_sklearn_available = available
