@@ -36,6 +36,9 @@ install-test: install
 # spread over up to 4 processes (pytest-xdist): much of the suite waits on servers and subprocesses starting.
 PYTEST = $(PYTHON) -m pytest -p no:benchmark --numprocesses auto --maxprocesses 4 --dist loadfile
 test: export PAGEDLLM_TEST_ORACLE_CACHE = $(CURDIR)/build/test-oracle
+# The workers and the servers they start share the cores, each process with OpenMP threads of its own: OpenMP's
+# default spin at every barrier burns the cores the other processes wait for (the suite took about twice as long).
+test: export OMP_WAIT_POLICY = PASSIVE
 test: install-test
 	$(PYTEST)
 	env $$($(PYTHON) tests/other_cpu_kind.py) $(PYTEST) -m cpu_isa
