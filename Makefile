@@ -33,9 +33,8 @@ install-test: install
 
 # The second pass runs the ISA-dependent tests as the other kind of CPU (AVX2-only <-> AVX512_BF16/AMX).
 # Both passes share transformers' answers for the tiny models (tests/tiny_models.py, hf_greedy). Test files are
-# spread over up to 4 processes (pytest-xdist): much of the suite waits on servers and subprocesses starting; the
-# slowest files go first (tests/conftest.py).
-PYTEST = $(PYTHON) -m pytest -p no:benchmark --numprocesses auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+# spread over up to 4 processes (pytest-xdist): much of the suite waits on servers and subprocesses starting.
+PYTEST = $(PYTHON) -m pytest -p no:benchmark --numprocesses auto --maxprocesses 4 --dist loadfile
 test: export PAGEDLLM_TEST_ORACLE_CACHE = $(CURDIR)/build/test-oracle
 # The workers and the servers they start share the cores, each process with OpenMP threads of its own: OpenMP's
 # default spin at every barrier burns the cores the other processes wait for (the suite took about twice as long).

@@ -19,26 +19,6 @@ def pytest_report_header(config):
     return [f"CPU: {cpu_features.describe()}; --dtype auto -> {auto} on the cpu backend"]
 
 
-# The slowest test files, slowest first (summed durations of a `make test` run). `make test` hands whole files to its
-# workers in collection order (--dist loadfile --no-loadscope-reorder): started first, none of them runs alone at
-# the end while the other workers sit idle.
-SLOWEST_FILES = (
-    "backends/test_cpu_tensor_parallel.py", "entrypoints/test_soak.py", "backends/test_backend_equality.py",
-    "test_examples.py", "entrypoints/test_tensor_parallel_server.py", "entrypoints/test_step_faults_server.py",
-    "entrypoints/test_engine_process_server.py", "entrypoints/test_schemathesis.py",
-    "entrypoints/test_openai_server.py", "backends/test_speculative_decoding.py", "entrypoints/test_router.py",
-    "entrypoints/test_shutdown_server.py", "backends/test_cpu_precision.py", "entrypoints/test_vllm_drop_in.py",
-    "entrypoints/test_data_parallel_server.py", "test_smollm2.py", "test_compare_harness.py",
-    "entrypoints/test_lora_server.py", "backends/test_cpu_kernels.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).parent
-    rank = {tests / name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path, len(SLOWEST_FILES)))
-
-
 @pytest.fixture(autouse=True)
 def _the_test_thread_keeps_its_cpus():
     """The engine pins the thread that steps it until LLM.generate returns or the engine shuts down; a test that
