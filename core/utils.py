@@ -21,10 +21,10 @@ def module_command(module: str, *args: str) -> list[str]:
 
 
 def skip_unused_sklearn_import() -> None:
-    """Keep transformers' model classes from importing scikit-learn, which nncf (the openvino backend's) installs:
-    transformers uses it only for assisted generation's adaptive confidence threshold, which pagedllm never runs,
-    and the import costs every process that builds a model about a fifth of its imports' time. Call before the
-    model classes are first imported; later calls do nothing."""
+    """Keep transformers' model classes from importing scikit-learn, which nncf (the openvino backend's weight
+    compressor) installs: transformers uses it only for assisted generation's adaptive confidence threshold, which
+    pagedllm never runs, and the import is a large share of every start-up. Call before the model classes are first
+    imported; later calls do nothing."""
     if "transformers.generation.candidate_generator" in sys.modules:
         return
     import transformers.utils
