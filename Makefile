@@ -37,7 +37,7 @@ install-test: install
 PYTEST = $(PYTHON) -m pytest -p no:benchmark --numprocesses auto --maxprocesses 4 --dist loadfile
 test: export PAGEDLLM_TEST_ORACLE_CACHE = $(CURDIR)/build/test-oracle
 # The workers and the servers they start share the cores, each process with OpenMP threads of its own: OpenMP's
-# default spin at every barrier burns the cores the other processes wait for (the suite took about twice as long).
+# default spin at every barrier burns the cores the other processes wait for.
 test: export OMP_WAIT_POLICY = PASSIVE
 test: install-test
 	$(PYTEST)
