@@ -230,16 +230,16 @@ def test_kept_kernel_arguments_follow_replaced_buffers(kernels):
 @pytest.mark.cpu_isa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
-    """W8A8's passes around oneDNN's GEMM: per-row int8 (round half to even, as torch.round) and the scale back with
-    the bias; widths with and without a vector tail, a zero row."""
+    """W8A8's passes around oneDNN's GEMM: per-row int8 (round half to even, as torch.round) offset by 128 as uint8,
+    and the scale back with the bias; widths with and without a vector tail, a zero row."""
     for width in (100, 2048):
         x = (torch.randn(6, width) * 3).to(dtype)
         x[2] = 0
-        q, scales = kernels.quantize_rows_int8(x)
+        q, scales = kernels.quantize_rows_uint8(x)
         amax = x.float().abs().amax(-1, keepdim=True)
         assert torch.equal(scales, amax / 127)
         inverse = torch.where(amax > 0, 1 / (amax / 127), 0)
-        assert torch.equal(q, torch.round(x.float() * inverse).to(torch.int8))
+        assert torch.equal(q, (torch.round(x.float() * inverse) + 128).to(torch.uint8))
         out, bias = torch.randn(6, width).to(dtype), torch.randn(width)
         expected = (out.float() * scales + bias).to(dtype)
         kernels.scale_rows(out, scales, bias)
@@ -261,9 +261,10 @@ def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
     bias = torch.randn(48)
     layer = Int8GemmLinear(weight, bias, kernels)
     x = torch.randn(37, 256).bfloat16()
-    q, scales = kernels.quantize_rows_int8(x)
+    q, scales = kernels.quantize_rows_uint8(x)
+    q = q.double() - 128
     w_int8 = qf.unpack_values(weight.values, 8).double() - 128
-    expected = (q.double() @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double() + bias.double()
+    expected = (q @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double() + bias.double()
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (37, 48)
     # oneDNN rounds its output to bf16 before the row scales and the bias: a bf16 step of the largest sums
@@ -274,9 +275,26 @@ def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     # a SwiGLU's [gate; up]: the row scales applied inside the SiLU's pass
     swiglu = Int8GemmSiluAndMul(weight, None, kernels)
-    both = (q.double() @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double()
+    both = (q @ w_int8.T) * scales.double() * weight.scales[:, :1].T.double()
     silu = torch.nn.functional.silu(both[:, :24]) * both[:, 24:]
     torch.testing.assert_close(swiglu(x).double(), silu, rtol=2 ** -7, atol=2 ** -8 * silu.abs().max().item())
+
+
+def test_int8_gemm_takes_a_jit_kernel_of_onednn(kernels, capfd):
+    """oneDNN falls back to its reference int8 matmul, thousands of times slower, for activations its kernels here
+    cannot multiply (signed bytes on AVX512_VNNI without AMX); its verbose log names the kernel each call ran."""
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, exact_int8_products, int8_gemm_available
+
+    if not (int8_gemm_available() and exact_int8_products()):
+        pytest.skip("the int8 GEMM is not taken on this CPU")
+    layer = Int8GemmLinear(qf.quantize(torch.randn(64, 256) * 0.05, "int8"), None, kernels)
+    x = torch.randn(4, 256).bfloat16()
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        layer(x)
+    calls = [line.split(",") for line in capfd.readouterr().out.splitlines() if ",exec,cpu,matmul," in line]
+    assert calls, "oneDNN logged no matmul"
+    assert not any(fields[6].startswith("ref") for fields in calls), [fields[6] for fields in calls]
 
 
 def dequantized_copy(model_dir, out_dir, fmt: str):

@@ -1,6 +1,8 @@
 // The two passes around oneDNN's int8 GEMM for W8A8 linears (layers/int8_gemm.py): activations quantized to int8
 // per row (symmetric, d = max |x| / 127, as vLLM CPU's dynamic per-token scales), and the GEMM's output scaled back
 // per row with the bias added. In torch each is several passes over the rows, as long as the GEMM itself.
+// The int8 values are stored offset by 128 as uint8 (zero point 128): oneDNN's VNNI kernels multiply unsigned by
+// signed bytes only, and take signed activations to its reference kernel, thousands of times slower.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -14,9 +16,10 @@
 
 namespace {
 
-// q = round-half-even(x * inverse), saturated to int8 (|x * inverse| <= 127 by the choice of the scale).
+// q = round-half-even(x * inverse) + 128 (|x * inverse| <= 127 by the choice of the scale): the int8 value's bits
+// with the sign bit flipped.
 template <typename T>
-void quantize_row(const T* x, int64_t k, float inverse, int8_t* q) {
+void quantize_row(const T* x, int64_t k, float inverse, uint8_t* q) {
   int64_t i = 0;
 #if defined(PAGEDLLM_VEC)
   using pagedllm::Vec;
@@ -24,15 +27,17 @@ void quantize_row(const T* x, int64_t k, float inverse, int8_t* q) {
   for (; i + Vec::size <= k; i += Vec::size) {
     const Vec v = Vec::load(x + i) * factor;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v.v)));
+    const __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v.v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm_xor_si128(bytes, _mm_set1_epi8(-128)));
 #else
     const __m256i whole = _mm256_cvtps_epi32(v.v);
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(words, words));
+    const __m128i bytes = _mm_packs_epi16(words, words);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_xor_si128(bytes, _mm_set1_epi8(-128)));
 #endif
   }
 #endif
-  for (; i < k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inverse));
+  for (; i < k; ++i) q[i] = static_cast<uint8_t>(std::nearbyint(static_cast<float>(x[i]) * inverse) + 128.f);
 }
 
 template <typename T>
@@ -79,15 +84,15 @@ void with_float_or_bf16(const at::Tensor& t, const char* name, const Run& run) {
 
 }  // namespace
 
-// x [..., k] (bf16 or float32) -> (int8 [rows, k], float32 scales [rows, 1]) with x ~ scale * q per row.
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+// x [..., k] (bf16 or float32) -> (uint8 [rows, k], float32 scales [rows, 1]) with x ~ scale * (q - 128) per row.
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x) {
   const at::Tensor rows = x.contiguous();
   const int64_t k = rows.size(-1), m = rows.numel() / k;
-  at::Tensor q = at::empty({m, k}, rows.options().dtype(at::kChar));
+  at::Tensor q = at::empty({m, k}, rows.options().dtype(at::kByte));
   at::Tensor scales = at::empty({m, 1}, rows.options().dtype(at::kFloat));
-  int8_t* q_data = q.data_ptr<int8_t>();
+  uint8_t* q_data = q.data_ptr<uint8_t>();
   float* scale_data = scales.data_ptr<float>();
-  with_float_or_bf16(rows, "quantize_rows_int8", [&](auto* data) {
+  with_float_or_bf16(rows, "quantize_rows_uint8", [&](auto* data) {
     at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float d = row_amax(data + r * k, k) / 127.f;

@@ -62,7 +62,7 @@ at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales,
 at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
                            int64_t bits, int64_t group, int64_t zero, int64_t out_features, const at::Tensor& ids,
                            bool bf16);
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x);
 void scale_rows(at::Tensor& out, const at::Tensor& scales, const c10::optional<at::Tensor>& bias);
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& parts,
               const at::Tensor& row_index, const at::Tensor& groups);
@@ -128,7 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("zero"), py::arg("out_features"), py::arg("bf16") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a block-quantized weight as dense float32 or bf16 rows "
         "(an embedding lookup in a tied head's weight)");
-  m.def("quantize_rows_int8", &quantize_rows_int8, "rows as int8 and a float32 scale per row (max |x| / 127)");
+  m.def("quantize_rows_uint8", &quantize_rows_uint8,
+        "rows as int8 offset by 128 (uint8) and a float32 scale per row (max |x| / 127)");
   m.def("scale_rows", &scale_rows, "out[r] = out[r] * scales[r] + bias, in place", py::arg("out"),
         py::arg("scales"), py::arg("bias") = py::none());
   m.def("lora_add", &lora_add, "out[row] += (x[row] @ a[slot]) @ b[slot] for each adapter's rows, in place",

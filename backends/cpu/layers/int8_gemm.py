@@ -32,7 +32,7 @@ def takes_int8_gemm(weight: QuantizedWeight, bf16: bool, kernels) -> bool:
     """W8A8 through oneDNN for ``int8`` weights of a bf16 model on a CPU with VNNI; float32 models (and CPUs without
     VNNI) keep the panels' kernels, whose integer sums are exact."""
     return (weight.format == INT8_FORMAT and bf16 and kernels is not None
-            and hasattr(kernels, "quantize_rows_int8") and int8_gemm_available() and exact_int8_products())
+            and hasattr(kernels, "quantize_rows_uint8") and int8_gemm_available() and exact_int8_products())
 
 
 def signed_int8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +43,12 @@ def signed_int8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8GemmLinear(torch.nn.Module):
-    """nn.Linear's forward as x ~ s * q per row (int8 q, float32 s), then s * (q @ W_int8.T) * w_scale + bias."""
+    """nn.Linear's forward as x ~ s * q per row (int8 q, float32 s), then s * (q @ W_int8.T) * w_scale + bias.
+
+    q goes to oneDNN as uint8 with zero point 128: its AVX512_VNNI kernels take unsigned activations only (vpdpbusd),
+    and signed ones fall to its reference kernel. AMX takes either."""
+
+    ACTIVATION_ZERO_POINT = 128
 
     path = "int8 GEMM"
     is_quantized = True
@@ -63,9 +68,9 @@ class Int8GemmLinear(torch.nn.Module):
 
     def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q @ W_int8.T * w_scale as [rows, out], the rows' scales s): the output is s times the first."""
-        q, row_scales = self._kernels.quantize_rows_int8(x)
+        q, row_scales = self._kernels.quantize_rows_uint8(x)
         out = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 0, self.packed, self.weight_scales, self.weight_zero_points, None, 1.0, 0,
+            q, 1.0, self.ACTIVATION_ZERO_POINT, self.packed, self.weight_scales, self.weight_zero_points, None, 1.0, 0,
             torch.float32 if self.float_output else x.dtype, "none", [None], "")
         return out, row_scales
 
