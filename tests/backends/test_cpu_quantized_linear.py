@@ -281,7 +281,7 @@ def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
 
 
 def test_int8_gemm_takes_a_jit_kernel_of_onednn(kernels, capfd):
-    """oneDNN falls back to its reference int8 matmul, thousands of times slower, for activations its kernels here
+    """oneDNN falls back to its scalar reference int8 matmul for activations its vectorized kernels here
     cannot multiply (signed bytes on AVX512_VNNI without AMX); its verbose log names the kernel each call ran."""
     from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, exact_int8_products, int8_gemm_available
 

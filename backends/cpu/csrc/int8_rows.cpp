@@ -2,7 +2,7 @@
 // per row (symmetric, d = max |x| / 127, as vLLM CPU's dynamic per-token scales), and the GEMM's output scaled back
 // per row with the bias added. In torch each is several passes over the rows, as long as the GEMM itself.
 // The int8 values are stored offset by 128 as uint8 (zero point 128): oneDNN's VNNI kernels multiply unsigned by
-// signed bytes only, and take signed activations to its reference kernel, thousands of times slower.
+// signed bytes only, and take signed activations to its scalar reference kernel.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
