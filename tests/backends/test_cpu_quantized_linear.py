@@ -247,16 +247,22 @@ def test_int8_rows_quantize_and_scale_as_torch(kernels, dtype):
         torch.testing.assert_close(out, expected, rtol=step, atol=step)
 
 
-def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
-    """``int8`` weights of a bf16 model through oneDNN's int8 GEMM: x quantized per row times the int8 weight,
-    scaled by both; its integer sums are exact, so a row's output does not depend on the rows beside it."""
-    from pagedllm.backends.cpu.layers.int8_gemm import (Int8GemmLinear, Int8GemmSiluAndMul, exact_int8_products,
-                                                        int8_gemm_available)
+def skip_without_int8_gemm():
+    """Skip where the backend does not take oneDNN's int8 GEMM (no oneDNN quantized linear in torch, or no VNNI)."""
+    from pagedllm.backends.cpu.layers.int8_gemm import exact_int8_products, int8_gemm_available
 
     if not int8_gemm_available():
         pytest.skip("torch has no oneDNN quantized linear here")
     if not exact_int8_products():
         pytest.skip("oneDNN's int8 GEMM saturates without VNNI (the backend keeps the panels' kernels there)")
+
+
+def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
+    """``int8`` weights of a bf16 model through oneDNN's int8 GEMM: x quantized per row times the int8 weight,
+    scaled by both; its integer sums are exact, so a row's output does not depend on the rows beside it."""
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, Int8GemmSiluAndMul
+
+    skip_without_int8_gemm()
     weight = qf.quantize(torch.randn(48, 256) * 0.05, "int8")
     bias = torch.randn(48)
     layer = Int8GemmLinear(weight, bias, kernels)
@@ -283,10 +289,9 @@ def test_int8_gemm_is_w8a8_and_batch_invariant(kernels):
 def test_int8_gemm_takes_a_jit_kernel_of_onednn(kernels, capfd):
     """oneDNN falls back to its scalar reference int8 matmul for activations its vectorized kernels here
     cannot multiply (signed bytes on AVX512_VNNI without AMX); its verbose log names the kernel each call ran."""
-    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, exact_int8_products, int8_gemm_available
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear
 
-    if not (int8_gemm_available() and exact_int8_products()):
-        pytest.skip("the int8 GEMM is not taken on this CPU")
+    skip_without_int8_gemm()
     layer = Int8GemmLinear(qf.quantize(torch.randn(64, 256) * 0.05, "int8"), None, kernels)
     x = torch.randn(4, 256).bfloat16()
     capfd.readouterr()
@@ -373,12 +378,9 @@ def test_bf16_dot_products_close_to_float32(tiny_llama, prompts, kernels, int8_a
 def test_int8_on_a_bf16_model_takes_the_int8_gemm(tiny_llama, prompts, kernels):
     """``--quantization int8`` on a bf16 model is W8A8 through oneDNN (vLLM CPU's): its first tokens agree with the
     float32 path's on the same int8 weights."""
-    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear, exact_int8_products, int8_gemm_available
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear
 
-    if not int8_gemm_available():
-        pytest.skip("torch has no oneDNN quantized linear here")
-    if not exact_int8_products():
-        pytest.skip("oneDNN's int8 GEMM saturates without VNNI (the backend keeps the panels' kernels there)")
+    skip_without_int8_gemm()
     exact = greedy(LLM(str(tiny_llama), dtype="float32", quantization="int8", max_model_len=256,
                        kv_cache_space=0.05), prompts, 4)
     llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", max_model_len=256, kv_cache_space=0.05,
