@@ -83,11 +83,16 @@ def test_int8_is_symmetric_per_row(monkeypatch):
 def test_rows_columns_widening_and_concatenation_keep_the_values():
     a = qf.from_gguf(gguf_blocks("Q4_K", 6, 512), "Q4_K", 6, 512)
     b = qf.from_gguf(gguf_blocks("Q6_K", 4, 512, seed=1), "Q6_K", 4, 512)
+    c = qf.from_gguf(gguf_blocks("Q8_0", 2, 512, seed=2), "Q8_0", 2, 512)
     both = qf.concatenate([a, b])
-    assert (both.bits, both.group, both.format) == (8, 16, "Q4_K+Q6_K")
+    assert (both.bits, both.group, both.format) == (6, 16, "Q4_K+Q6_K")
     torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    torch.testing.assert_close(a.rows(torch.tensor([5, 0])).dequantize(), a.dequantize()[[5, 0]])
-    torch.testing.assert_close(a.columns(64, 256).dequantize(), a.dequantize()[:, 64:256])
+    wider = qf.concatenate([b, c])
+    assert (wider.bits, wider.group) == (8, 16)
+    torch.testing.assert_close(wider.dequantize(), torch.cat([b.dequantize(), c.dequantize()]))
+    for weight in (a, b):
+        torch.testing.assert_close(weight.rows(torch.tensor([3, 0])).dequantize(), weight.dequantize()[[3, 0]])
+        torch.testing.assert_close(weight.columns(64, 256).dequantize(), weight.dequantize()[:, 64:256])
     with pytest.raises(ValueError, match="whole chunks"):
         a.columns(16, 256)
 

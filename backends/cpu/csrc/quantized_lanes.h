@@ -20,7 +20,10 @@ struct Lanes {
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I zeroi() { return _mm512_setzero_si512(); }
   static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
   static I shr(I a, int bits) { return _mm512_srli_epi32(a, bits); }
+  // right by `bits`, or left by -bits
+  static I shift(I a, int bits) { return bits >= 0 ? _mm512_srli_epi32(a, bits) : _mm512_slli_epi32(a, -bits); }
   static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
   static I shl4(I a) { return _mm512_slli_epi32(a, 4); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -32,7 +35,8 @@ struct Lanes {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  // acc + per lane the sum of 4 products of unsigned bytes u (each below 16) and signed bytes a
+  // acc + per lane the sum of 4 products of unsigned bytes u (each below 64: vpmaddubsw's pair sums fit in int16)
+  // and signed bytes a
   static I dot4(I acc, I u, I a) {
 #if defined(__AVX512VNNI__)
     return _mm512_dpbusd_epi32(acc, u, a);
@@ -68,7 +72,9 @@ struct Lanes {
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I zeroi() { return _mm256_setzero_si256(); }
   static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
   static I shr(I a, int bits) { return _mm256_srli_epi32(a, bits); }
+  static I shift(I a, int bits) { return bits >= 0 ? _mm256_srli_epi32(a, bits) : _mm256_slli_epi32(a, -bits); }
   static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
   static I shl4(I a) { return _mm256_slli_epi32(a, 4); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }

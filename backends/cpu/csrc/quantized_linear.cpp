@@ -25,9 +25,7 @@
 namespace {
 
 using pagedllm::kChunk;
-using pagedllm::kLoadBytes;
 using pagedllm::kPanel;
-using pagedllm::kPrefetchLoads;
 using Weights = pagedllm::QuantizedWeights;
 #if PAGEDLLM_QUANT_SIMD
 using pagedllm::kLanes;
@@ -57,7 +55,7 @@ struct IntegerActivations {
 
   IntegerActivations(const float* x, int64_t m, int64_t k, int64_t group, int64_t bits)
       : q(m * k), scale(m * (k / kChunk)), group_sum(m * (k / group)), chunks(k / kChunk), groups(k / group),
-        order(sizeof(T) == 2 ? kIdentity : bits == 4 ? pagedllm::kInt8Order4 : pagedllm::kInt8Order8) {
+        order(sizeof(T) == 2 ? kIdentity : bits == 8 ? pagedllm::kInt8Order8 : pagedllm::kInt8Order4) {
     constexpr float kMax = std::numeric_limits<T>::max();
     at::parallel_for(0, m * chunks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
@@ -102,23 +100,31 @@ void integer_panel_scalar(const Weights& w, int64_t p, const IntegerActivations<
 #if PAGEDLLM_QUANT_SIMD
 // Steps per load of lane values, and the values of step e as the dot products take them: int8 activations take
 // the 4-bit values as bytes (low nibbles, then high ones) or 8-bit ones whole; int16 activations take pairs of
-// inputs as 16-bit halves (a shift by e values and a mask).
+// inputs as 16-bit halves (a shift by e values and a mask). 6-bit values are their nibbles' steps with the high 2
+// bits of load J (lanes `high`) put above each nibble.
 template <typename T, int Bits>
-constexpr int kSteps = std::is_same<T, int16_t>::value ? (Bits == 4 ? 4 : 2) : (Bits == 4 ? 2 : 1);
+constexpr int kSteps = std::is_same<T, int16_t>::value ? (Bits == 8 ? 2 : 4) : (Bits == 8 ? 1 : 2);
 
-template <typename T, int Bits>
-inline Lanes::I step_values(Lanes::I v, int e) {
-  if (std::is_same<T, int16_t>::value)
-    return Lanes::band(e == 0 ? v : Lanes::shr(v, Bits * e), Lanes::set1(Bits == 4 ? 0x000F000F : 0x00FF00FF));
-  if (Bits == 8) return v;
-  return Lanes::band(e == 0 ? v : Lanes::shr(v, 4), Lanes::set1(0x0F0F0F0F));
+template <typename T, int Bits, int J>
+inline Lanes::I step_values(Lanes::I v, Lanes::I high, int e) {
+  if (Bits == 8) {
+    if (std::is_same<T, int8_t>::value) return v;
+    return Lanes::band(e == 0 ? v : Lanes::shr(v, 8 * e), Lanes::set1(0x00FF00FF));
+  }
+  const bool pairs = std::is_same<T, int16_t>::value;  // else bytes: nibbles 2b + e of the lane's bytes b
+  const Lanes::I low = Lanes::band(e == 0 ? v : Lanes::shr(v, pairs ? 4 * e : 4),
+                                   Lanes::set1(pairs ? 0x000F000F : 0x0F0F0F0F));
+  if (Bits == 4) return low;
+  // nibble e's high bits (and those of the nibbles 16 or 8 bits above) moved to bits 4 and 5
+  return Lanes::bor(low, Lanes::band(Lanes::shift(high, pagedllm::high_bit(J, e) - 4),
+                                     Lanes::set1(pairs ? 0x00300030 : 0x30303030)));
 }
 
 // acc + the lane sums of the values of one step times a broadcast 32-bit word of activations
 template <typename T, int Bits>
 inline Lanes::I step_dot(Lanes::I acc, Lanes::I u, Lanes::I a) {
   if (std::is_same<T, int16_t>::value) return Lanes::dot2(acc, u, a);
-  return Bits == 4 ? Lanes::dot4(acc, u, a) : Lanes::dot8(acc, u, a);
+  return Bits == 8 ? Lanes::dot8(acc, u, a) : Lanes::dot4(acc, u, a);
 }
 
 // The integer paths over panel p for rows r0 .. r0 + R - 1: per group, integer sums of each load's values with the
@@ -130,7 +136,7 @@ template <int R, int Bits, typename T>
 void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act, int64_t r0, float* sums) {
   constexpr int H = Lanes::halves, S = kSteps<T, Bits>, C = R * H == 1 ? 2 : 1;
   const uint8_t* panel = w.panel(p);
-  const int64_t loads = w.group / (Bits == 4 ? 8 : 4);
+  const int64_t loads = w.group / (Bits == 8 ? 4 : 8);
   const int32_t* a[R];
   for (int r = 0; r < R; ++r) a[r] = reinterpret_cast<const int32_t*>(act.q.data() + (r0 + r) * w.k);
   for (int i = 0; i < R * kPanel; ++i) sums[i] = 0.f;
@@ -139,18 +145,28 @@ void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h)
         for (int c = 0; c < C; ++c) dot[r][h][c] = Lanes::zeroi();
-    for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
-      Lanes::I v[H];
-      for (int h = 0; h < H; ++h) v[h] = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
+    // load l's sums; J: which load of a 6-bit unit it is
+    const auto load_sums = [&](int64_t l, auto unit_load) {
+      constexpr int J = decltype(unit_load)::value;
+      Weights::prefetch_ahead(panel, Bits, l);
+      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, l);
+      Lanes::I v[H], high[H];
+      for (int h = 0; h < H; ++h) {
+        v[h] = Lanes::load(at + h * kLanes * 4);
+        high[h] = Bits == 6 ? Lanes::load(highs + h * kLanes * 4) : v[h];
+      }
       for (int e = 0; e < S; ++e) {
         Lanes::I u[H];
-        for (int h = 0; h < H; ++h) u[h] = step_values<T, Bits>(v[h], e);
+        for (int h = 0; h < H; ++h) u[h] = step_values<T, Bits, J>(v[h], high[h], e);
         for (int r = 0; r < R; ++r) {
           const Lanes::I word = Lanes::set1(a[r][l * S + e]);
           for (int h = 0; h < H; ++h) dot[r][h][e % C] = step_dot<T, Bits>(dot[r][h][e % C], u[h], word);
         }
       }
+    };
+    for (int64_t l = g * loads; l < (g + 1) * loads; l += Bits == 6 ? 2 : 1) {
+      load_sums(l, std::integral_constant<int, 0>{});
+      if (Bits == 6) load_sums(l + 1, std::integral_constant<int, 1>{});
     }
     const int64_t chunk = g * w.group / kChunk;
     for (int h = 0; h < H; ++h) {
@@ -189,6 +205,8 @@ void integer_sums(const Weights& w, int64_t p, const IntegerActivations<T>& act,
   with_rows(rows, [&](auto r) {
     if (w.bits == 4)
       integer_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
+    else if (w.bits == 6)
+      integer_panel<decltype(r)::value, 6>(w, p, act, r0, sums);
     else
       integer_panel<decltype(r)::value, 8>(w, p, act, r0, sums);
   });
@@ -269,17 +287,20 @@ namespace {
 // Column c of panel p (output row p * 16 + c of the weight) dequantized into dst[0, k), float32 or bf16.
 template <typename T>
 void dequantize_column(const Weights& w, int64_t p, int64_t c, T* dst) {
-  const int* input = w.bits == 4 ? pagedllm::kInputOfNibble : pagedllm::kInputOfByte;
-  const uint32_t mask = w.bits == 4 ? 0x0F : 0xFF;
+  const bool bytes = w.bits == 8;
+  const int* input = bytes ? pagedllm::kInputOfByte : pagedllm::kInputOfNibble;
+  const uint32_t mask = bytes ? 0xFF : 0x0F;
   const int64_t per_load = w.inputs_per_load();
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     const int64_t g = l * per_load / w.group;
     const float scale = w.scale(p, g, c), offset = w.offset(p, g, c);
-    const uint8_t* lane = w.panel(p) + l * kLoadBytes + c * 4;
-    const uint32_t word = lane[0] | (lane[1] << 8) | (lane[2] << 16) | (static_cast<uint32_t>(lane[3]) << 24);
-    for (int64_t e = 0; e < per_load; ++e)
-      dst[l * per_load + input[e]] = static_cast<T>(std::fma(static_cast<float>((word >> (w.bits * e)) & mask),
-                                                             scale, offset));
+    const uint32_t word = Weights::word(w.load(p, l) + c * 4);
+    const uint32_t high = w.bits == 6 ? Weights::word(w.high_load(p, l) + c * 4) : 0;
+    for (int e = 0; e < per_load; ++e) {
+      uint32_t u = (word >> ((bytes ? 8 : 4) * e)) & mask;
+      if (w.bits == 6) u |= ((high >> pagedllm::high_bit(static_cast<int>(l % 2), e)) & 0x03) << 4;
+      dst[l * per_load + input[e]] = static_cast<T>(std::fma(static_cast<float>(u), scale, offset));
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "brgemm_tiles.h"
@@ -34,9 +35,7 @@ namespace {
 using pagedllm::cdiv;
 using pagedllm::kColumns;
 using pagedllm::kHalf;
-using pagedllm::kLoadBytes;
 using pagedllm::kPanel;
-using pagedllm::kPrefetchLoads;
 using Weights = pagedllm::QuantizedWeights;
 
 // The 16 scales or offsets of panel p, group g.
@@ -58,13 +57,25 @@ inline __m512i magic_pairs(__m512i v, int shift) {
                                    _mm512_set1_epi32(0x43004300), 0xEA);  // (a & b) | c
 }
 
+// right by `bits`, or left by -bits
+inline __m512i shift_lanes(__m512i a, int bits) {
+  return bits >= 0 ? _mm512_srli_epi32(a, bits) : _mm512_slli_epi32(a, -bits);
+}
+
+// `lanes` (one value per 16-bit or 32-bit field, below 16) with the 2 high bits of nibble k of 6-bit load j (and of
+// the nibble 16 bits above, for pairs) or-ed in above them: u below 64, so that 128 + u is still exact in bf16.
+inline __m512i with_high_bits(__m512i lanes, __m512i high, int j, int k, int32_t mask) {
+  return _mm512_ternarylogic_epi32(shift_lanes(high, pagedllm::high_bit(j, k) - 4), _mm512_set1_epi32(mask), lanes,
+                                   0xEA);
+}
+
 // The 16 columns of panel p as bf16 pairs, into dst in brgemm's B layout of ldb columns: dst[q * ldb + c] is the
 // pair of inputs 2q and 2q + 1 of column c, as one 32-bit word; w = scale * u + offset, rounded once.
 template <int Bits>
 void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
   const uint8_t* panel = w.panel(p);
-  const int64_t per_load = Bits == 4 ? 8 : 4;
-  const __m512i mask = _mm512_set1_epi32(Bits == 4 ? 0x0F : 0xFF);
+  const int64_t per_load = Bits == 8 ? 4 : 8;
+  const __m512i mask = _mm512_set1_epi32(Bits == 8 ? 0xFF : 0x0F);
   // bf16 element 2c from the first operand's lane c, 2c + 1 from the second's
   alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -72,14 +83,20 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     const int64_t g = l * per_load / w.group;
     const __m512 scale = group_lanes(w, w.scales, p, g), offset = offset_lanes(w, scale, p, g);
-    const __m512i v = _mm512_loadu_si512(panel + l * kLoadBytes);
+    const __m512i v = _mm512_loadu_si512(Weights::load_at(panel, Bits, l));
+    const __m512i high = Bits == 6 ? _mm512_loadu_si512(Weights::high_at(panel, l)) : v;
     for (int q = 0; q < per_load / 2; ++q) {
-      // 4 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
-      const int first = Bits == 4 ? 4 * q : 8 * q, second = Bits == 4 ? 4 * q + 16 : 8 * q + 16;
-      const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, first), mask)),
-                                          scale, offset);
-      const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, second), mask)),
-                                         scale, offset);
+      // 4 and 6 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
+      const int first = Bits == 8 ? 8 * q : 4 * q, second = first + 16;
+      __m512i u_even = _mm512_and_si512(_mm512_srli_epi32(v, first), mask);
+      __m512i u_odd = _mm512_and_si512(_mm512_srli_epi32(v, second), mask);
+      if (Bits == 6) {
+        const int j = static_cast<int>(l % 2);
+        u_even = with_high_bits(u_even, high, j, q, 0x30);
+        u_odd = with_high_bits(u_odd, high, j, q + 4, 0x30);
+      }
+      const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_even), scale, offset);
+      const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_odd), scale, offset);
       const __m512i pairs = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
       _mm512_storeu_si512(dst + (l * per_load / 2 + q) * ldb, pairs);
     }
@@ -106,8 +123,8 @@ std::vector<float> group_sums(const at::BFloat16* x, int64_t lda, int64_t m, con
 template <int Bits, int R>
 void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda, const float* sums, float* out) {
   const uint8_t* panel = w.panel(p);
-  const int64_t per_load = Bits == 4 ? 8 : 4, loads = w.group / per_load;
-  const float magic = Bits == 4 ? 128.f : 16.f * 128.f + 128.f;
+  const int64_t per_load = Bits == 8 ? 4 : 8, loads = w.group / per_load;
+  const float magic = Bits == 8 ? 16.f * 128.f + 128.f : 128.f;
   const uint32_t* pairs[R];
   for (int r = 0; r < R; ++r) pairs[r] = reinterpret_cast<const uint32_t*>(x + r * lda);
   __m512 acc[R];
@@ -115,12 +132,17 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 a[R], b[R];  // two sums per row: alternate pairs (4 bits), low and high nibbles (8 bits)
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-    for (int64_t l = g * loads; l < (g + 1) * loads; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (l + kPrefetchLoads) * kLoadBytes), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(panel + l * kLoadBytes);
-      if (Bits == 4) {
+    // load l's products; J: which load of a 6-bit unit it is
+    const auto load_products = [&](int64_t l, auto unit_load) {
+      constexpr int J = decltype(unit_load)::value;
+      Weights::prefetch_ahead(panel, Bits, l);
+      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, l);
+      const __m512i v = _mm512_loadu_si512(at);
+      const __m512i high = Bits == 6 ? _mm512_loadu_si512(highs) : v;
+      if (Bits != 8) {
         for (int q = 0; q < 4; ++q) {
-          const __m512bh weights = (__m512bh)magic_pairs(v, 4 * q);
+          const __m512i low = magic_pairs(v, 4 * q);
+          const __m512bh weights = (__m512bh)(Bits == 6 ? with_high_bits(low, high, J, q, 0x00300030) : low);
           for (int r = 0; r < R; ++r) {
             const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][4 * l + q]);
             if (q % 2 == 0)
@@ -131,19 +153,24 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
         }
       } else {
         for (int q = 0; q < 2; ++q) {
-          const __m512bh low = (__m512bh)magic_pairs(v, 8 * q), high = (__m512bh)magic_pairs(v, 8 * q + 4);
+          const __m512bh low_nibbles = (__m512bh)magic_pairs(v, 8 * q);
+          const __m512bh high_nibbles = (__m512bh)magic_pairs(v, 8 * q + 4);
           for (int r = 0; r < R; ++r) {
             const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][2 * l + q]);
-            a[r] = _mm512_dpbf16_ps(a[r], low, input);
-            b[r] = _mm512_dpbf16_ps(b[r], high, input);
+            a[r] = _mm512_dpbf16_ps(a[r], low_nibbles, input);
+            b[r] = _mm512_dpbf16_ps(b[r], high_nibbles, input);
           }
         }
       }
+    };
+    for (int64_t l = g * loads; l < (g + 1) * loads; l += Bits == 6 ? 2 : 1) {
+      load_products(l, std::integral_constant<int, 0>{});
+      if (Bits == 6) load_products(l + 1, std::integral_constant<int, 1>{});
     }
     const __m512 scale = group_lanes(w, w.scales, p, g);
     const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, offset_lanes(w, scale, p, g));
     for (int r = 0; r < R; ++r) {
-      const __m512 sum = Bits == 4 ? _mm512_add_ps(a[r], b[r]) : _mm512_fmadd_ps(b[r], _mm512_set1_ps(16.f), a[r]);
+      const __m512 sum = Bits != 8 ? _mm512_add_ps(a[r], b[r]) : _mm512_fmadd_ps(b[r], _mm512_set1_ps(16.f), a[r]);
       acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
       acc[r] = _mm512_fmadd_ps(rest, _mm512_set1_ps(sums[r * w.groups + g]), acc[r]);
     }
@@ -179,10 +206,13 @@ class DequantizedBlock {
     for (int64_t first = c0; first < c0 + width; first += kPanel) {
       const int half = static_cast<int>(first / kHalf);
       if (halves_ & (1 << half)) continue;
+      const int64_t p = (row0 + first) / kPanel;
       if (w.bits == 4)
-        dequantize_panel<4>(w, (row0 + first) / kPanel, pairs_.get() + first, kColumns);
+        dequantize_panel<4>(w, p, pairs_.get() + first, kColumns);
+      else if (w.bits == 6)
+        dequantize_panel<6>(w, p, pairs_.get() + first, kColumns);
       else
-        dequantize_panel<8>(w, (row0 + first) / kPanel, pairs_.get() + first, kColumns);
+        dequantize_panel<8>(w, p, pairs_.get() + first, kColumns);
       if (first + kPanel >= c0 + width || (first + kPanel) % kHalf == 0) halves_ |= 1 << half;
     }
     return reinterpret_cast<const at::BFloat16*>(pairs_.get() + c0);
@@ -289,10 +319,13 @@ at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, co
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t count = std::min<int64_t>(4, m - r0);
+        const float* row_sums = sums.data() + r0 * w.groups;
         if (w.bits == 4)
-          gemv_rows<4>(w, p, a + r0 * lda, lda, sums.data() + r0 * w.groups, count, result);
+          gemv_rows<4>(w, p, a + r0 * lda, lda, row_sums, count, result);
+        else if (w.bits == 6)
+          gemv_rows<6>(w, p, a + r0 * lda, lda, row_sums, count, result);
         else
-          gemv_rows<8>(w, p, a + r0 * lda, lda, sums.data() + r0 * w.groups, count, result);
+          gemv_rows<8>(w, p, a + r0 * lda, lda, row_sums, count, result);
         const int64_t columns = std::min<int64_t>(kPanel, n - p * kPanel);
         for (int64_t r = 0; r < count; ++r)
           for (int64_t c = 0; c < columns; ++c) {

@@ -22,7 +22,6 @@
 namespace {
 
 using pagedllm::cdiv;
-using pagedllm::kLoadBytes;
 using pagedllm::kPanel;
 using Weights = pagedllm::QuantizedWeights;
 
@@ -37,17 +36,23 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
   using pagedllm::Lanes;
   const uint8_t* panel = w.panel(p);
   const int64_t per_load = w.inputs_per_load();
-  const int* input = w.bits == 4 ? pagedllm::kInputOfNibble : pagedllm::kInputOfByte;
-  const Lanes::I mask = Lanes::set1(w.bits == 4 ? 0x0F : 0xFF);
+  const bool bytes = w.bits == 8;
+  const int* input = bytes ? pagedllm::kInputOfByte : pagedllm::kInputOfNibble;
+  const Lanes::I mask = Lanes::set1(bytes ? 0xFF : 0x0F), high_mask = Lanes::set1(0x30);
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     const int64_t g = l * per_load / w.group;
     for (int h = 0; h < Lanes::halves; ++h) {
       const Lanes::F scale = pagedllm::group_lanes(w, w.scales, p, g, h);
       const Lanes::F offset = pagedllm::offset_lanes(w, scale, p, g, h);
-      const Lanes::I v = Lanes::load(panel + l * kLoadBytes + h * kLanes * 4);
-      for (int64_t e = 0; e < per_load; ++e)
-        Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes,
-                     Lanes::fma(Lanes::cvt(Lanes::band(Lanes::shr(v, w.bits * e), mask)), scale, offset));
+      const Lanes::I v = Lanes::load(Weights::load_at(panel, w.bits, l) + h * kLanes * 4);
+      const Lanes::I high = w.bits == 6 ? Lanes::load(Weights::high_at(panel, l) + h * kLanes * 4) : v;
+      for (int e = 0; e < per_load; ++e) {
+        Lanes::I u = Lanes::band(Lanes::shr(v, (bytes ? 8 : 4) * e), mask);
+        if (w.bits == 6)  // the high 2 bits above the nibble
+          u = Lanes::bor(u, Lanes::band(Lanes::shift(high, pagedllm::high_bit(static_cast<int>(l % 2), e) - 4),
+                                        high_mask));
+        Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes, Lanes::fma(Lanes::cvt(u), scale, offset));
+      }
     }
   }
 #else
