@@ -77,7 +77,7 @@ def main() -> None:
                         "int16": lambda: kernels.quantized_linear(x, *quantized, False, 16),
                         "tiles_f32": lambda: kernels.quantized_linear_tiles_f32(x, *quantized, False)})
                 paths["dequantize"] = lambda: torch.nn.functional.linear(
-                    x, kernels.dequantize_weight(*quantized[:7], dtype == torch.bfloat16))
+                    x, kernels.dequantize_weight(*quantized[:8], dtype == torch.bfloat16))
                 with torch.inference_mode():
                     times = best_seconds(paths, repeat)
                 tiles = "bf16" if dtype == torch.bfloat16 else "tiles_f32"

@@ -93,8 +93,19 @@ def test_rows_columns_widening_and_concatenation_keep_the_values():
     for weight in (a, b):
         torch.testing.assert_close(weight.rows(torch.tensor([3, 0])).dequantize(), weight.dequantize()[[3, 0]])
         torch.testing.assert_close(weight.columns(64, 256).dequantize(), weight.dequantize()[:, 64:256])
+    # the K-quants' multipliers go along where whole super-blocks do, and are dropped where one is split
+    assert both.multipliers.shape == (10, 2, 2) and wider.multipliers is None
+    assert a.columns(256, 512).multipliers.shape == (6, 1, 2) and a.columns(64, 256).multipliers is None
     with pytest.raises(ValueError, match="whole chunks"):
         a.columns(16, 256)
+
+
+def test_k_quant_scales_that_do_not_factor_stay_float():
+    weight = qf.from_gguf(gguf_blocks("Q4_K", 16, 512), "Q4_K", 16, 512)
+    assert qf.to_panels(weight).scales.dtype == torch.int8
+    weight.multipliers[3, 1, 0] *= 1.37  # no longer a divisor of row 3's scales in its second super-block
+    panels = qf.to_panels(weight)
+    assert panels.scales.dtype == torch.float32 and panels.multipliers.numel() == 0
 
 
 def integer_reference(x: torch.Tensor, weight: qf.QuantizedWeight, bits: int = 8) -> torch.Tensor:
@@ -122,18 +133,20 @@ def test_kernels_equal_the_torch_reference(kernels, type_name, dtype, piece_byte
     panels = qf.to_panels(weight)
     if type_name in ("Q8_0", "Q4_0", "Q4_1"):  # their scales and offsets are exact in float16
         assert panels.scales.dtype == panels.offsets.dtype == torch.float16
+    if type_name.endswith("_K"):  # as the file keeps them: integer factors of a multiplier per 256 inputs
+        assert panels.scales.dtype == torch.int8 and panels.multipliers.shape == (3, in_features // 256, 2, 16)
     # symmetric formats store a zero point instead of offsets
     assert panels.zero == {"Q4_0": 8, "Q8_0": 128, "Q6_K": 32}.get(type_name, 0)
     assert panels.offsets.numel() == 0 if panels.zero else panels.offsets.shape == panels.scales.shape
     args = (*panels.arguments, bias)
-    assert torch.equal(kernels.dequantize_weight(*args[:7], False), weight.dequantize())
-    assert torch.equal(kernels.dequantize_weight(*args[:7], True), weight.dequantize().bfloat16())
+    assert torch.equal(kernels.dequantize_weight(*args[:8], False), weight.dequantize())
+    assert torch.equal(kernels.dequantize_weight(*args[:8], True), weight.dequantize().bfloat16())
     ids = torch.tensor([[39, 0], [17, 17]])  # an embedding lookup in these rows: last panel, repeats
-    assert torch.equal(kernels.dequantize_rows(*args[:7], ids.flatten(), False), weight.dequantize()[ids.flatten()])
-    assert torch.equal(kernels.dequantize_rows(*args[:7], ids.flatten(), True), weight.dequantize()[ids.flatten()]
+    assert torch.equal(kernels.dequantize_rows(*args[:8], ids.flatten(), False), weight.dequantize()[ids.flatten()])
+    assert torch.equal(kernels.dequantize_rows(*args[:8], ids.flatten(), True), weight.dequantize()[ids.flatten()]
                        .bfloat16())
     with pytest.raises(RuntimeError, match="outside"):
-        kernels.dequantize_rows(*args[:7], torch.tensor([40]), False)
+        kernels.dequantize_rows(*args[:8], torch.tensor([40]), False)
     for rows in ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         exact = x.float() @ dense.T + bias
@@ -173,7 +186,7 @@ def test_bf16_kernels_equal_the_dense_bf16_linear(kernels, type_name):
             dense = kernels.linear_bf16(x, packed, bias, out_features, float_output)
             assert torch.equal(kernels.quantized_linear_bf16(x, *args, float_output), dense)
         both = kernels.quantized_linear_bf16(x, *args, False)
-        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args[:6], bias, out_features // 2)
+        fused = kernels.quantized_linear_silu_and_mul_bf16(x, *args[:7], bias, out_features // 2)
         # equal but for subnormal outputs, which the GEMM's epilogue flushes to zero (oneDNN sets FTZ)
         unfused = kernels.silu_and_mul(both[:, :out_features // 2], both[:, out_features // 2:])
         torch.testing.assert_close(fused, unfused, rtol=0, atol=torch.finfo(torch.bfloat16).tiny)

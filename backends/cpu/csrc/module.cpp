@@ -37,29 +37,36 @@ at::Tensor linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packe
                                        const c10::optional<at::Tensor>& bias, int64_t width);
 bool quantized_linear_int8_simd();
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                            const at::Tensor& offsets,
+                            const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
                             const c10::optional<at::Tensor>& bias, bool float_output, int64_t activation_bits);
 at::Tensor quantized_linear_tiles_f32(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                      const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                      const at::Tensor& offsets,
+                                      const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                                       int64_t out_features, const c10::optional<at::Tensor>& bias,
                                       bool float_output);
 bool quantized_linear_bf16_available();
 at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                 const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                 const at::Tensor& offsets,
+                                 const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
                                  const c10::optional<at::Tensor>& bias, bool float_output);
 at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& values,
-                                              const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                                              const at::Tensor& scales, const at::Tensor& offsets,
+                                              const at::Tensor& multipliers, int64_t bits,
                                               int64_t group, int64_t zero,
                                               const c10::optional<at::Tensor>& bias, int64_t width);
 at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                               const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                               const at::Tensor& offsets,
+                               const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
                                const c10::optional<at::Tensor>& bias, bool float_output);
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                             const at::Tensor& multipliers,
                              int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16);
 at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                           const at::Tensor& multipliers,
                            int64_t bits, int64_t group, int64_t zero, int64_t out_features, const at::Tensor& ids,
                            bool bf16);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_uint8(const at::Tensor& x);
@@ -102,29 +109,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the int8 dot products use AVX512_VNNI (else AVX2's vpmaddubsw or scalar code)");
   m.def("quantized_linear", &quantized_linear,
         "x @ W.T + bias over a block-quantized weight in panels (w = scale * u + offset)",
-        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false,
         py::arg("activation_bits"));
   m.def("quantized_linear_tiles_f32", &quantized_linear_tiles_f32,
         "x @ W.T + bias for many rows over a block-quantized weight, dequantized to float32 blocks for the GEMM",
-        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false);
   m.def("quantized_linear_bf16_available", &quantized_linear_bf16_available,
         "whether this build has quantized_linear_bf16 (AVX512_BF16)");
   m.def("quantized_linear_bf16", &quantized_linear_bf16,
         "bf16 x @ W.T + bias over a block-quantized weight, dequantized to bf16 tiles for brgemm",
-        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false);
   m.def("quantized_linear_silu_and_mul_bf16", &quantized_linear_silu_and_mul_bf16,
         "silu(gate) * up of x's gate and up projections over a quantized [gate; up] weight, in bf16 tiles",
-        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("bias"), py::arg("width"));
   m.def("quantized_gemv_bf16", &quantized_gemv_bf16,
         "bf16 x @ W.T + bias for a few rows over a block-quantized weight, 16 columns per vdpbf16ps",
-        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("x"), py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bias"), py::arg("float_output") = false);
   m.def("dequantize_weight", &dequantize_weight, "a block-quantized weight as a dense [N, K] float32 or bf16 tensor",
-        py::arg("values"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"),
+        py::arg("values"), py::arg("scales"), py::arg("offsets"),
+        py::arg("multipliers"), py::arg("bits"), py::arg("group"),
         py::arg("zero"), py::arg("out_features"), py::arg("bf16") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows ids of a block-quantized weight as dense float32 or bf16 rows "
         "(an embedding lookup in a tied head's weight)");

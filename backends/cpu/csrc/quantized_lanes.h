@@ -28,6 +28,9 @@ struct Lanes {
   static I shl4(I a) { return _mm512_slli_epi32(a, 4); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static F loadh(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+  static F loadi8(const void* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
+  }
   static F set1f(float v) { return _mm512_set1_ps(v); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
@@ -79,6 +82,9 @@ struct Lanes {
   static I shl4(I a) { return _mm256_slli_epi32(a, 4); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static F loadh(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p))); }
+  static F loadi8(const void* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+  }
   static F set1f(float v) { return _mm256_set1_ps(v); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
@@ -108,6 +114,8 @@ constexpr int kLanes = kPanel / Lanes::halves;
 // Half h of the 16 scales or offsets of panel p, group g.
 inline Lanes::F group_lanes(const QuantizedWeights& w, const void* table, int64_t p, int64_t g, int h) {
   const char* first = static_cast<const char*>(w.of_group(table, p, g));
+  if (w.multipliers != nullptr)
+    return Lanes::mul(Lanes::loadi8(first + h * kLanes), Lanes::loadf(w.multiplier_of(table, p, g) + h * kLanes));
   return w.half ? Lanes::loadh(first + h * kLanes * 2)
                 : Lanes::loadf(reinterpret_cast<const float*>(first) + h * kLanes);
 }

@@ -243,10 +243,11 @@ bool quantized_linear_int8_simd() {
 // x [..., K] (float32 or bf16) times the quantized weight of N columns, plus an optional float bias:
 // [..., N] in x's dtype, or float32 when `float_output`. `activation_bits` (8 or 16) picks the path.
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                            const at::Tensor& offsets,
+                            const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                             int64_t out_features,
                             const c10::optional<at::Tensor>& bias, bool float_output, int64_t activation_bits) {
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bf16 input");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "activations of 8 or 16 bits, got ", activation_bits);
   TORCH_CHECK(x.size(-1) == w.k, "input width ", x.size(-1), " does not match the weight's ", w.k);
@@ -322,15 +323,17 @@ at::Tensor dequantize(const Weights& w, const at::Tensor& values, const int64_t*
 }  // namespace
 
 at::Tensor dequantize_weight(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                             const at::Tensor& multipliers,
                              int64_t bits, int64_t group, int64_t zero, int64_t out_features, bool bf16) {
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   return dequantize(w, values, nullptr, w.n, bf16);
 }
 
 at::Tensor dequantize_rows(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& offsets,
+                           const at::Tensor& multipliers,
                            int64_t bits, int64_t group, int64_t zero, int64_t out_features, const at::Tensor& ids,
                            bool bf16) {
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   const at::Tensor rows = ids.to(at::kLong).contiguous();
   const int64_t* row = rows.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows.numel(); ++r)

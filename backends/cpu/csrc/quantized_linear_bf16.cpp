@@ -41,6 +41,9 @@ using Weights = pagedllm::QuantizedWeights;
 // The 16 scales or offsets of panel p, group g.
 inline __m512 group_lanes(const Weights& w, const void* table, int64_t p, int64_t g) {
   const void* first = w.of_group(table, p, g);
+  if (w.multipliers != nullptr)
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(first)))),
+                         _mm512_loadu_ps(w.multiplier_of(table, p, g)));
   return w.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(first)))
                 : _mm512_loadu_ps(static_cast<const float*>(first));
 }
@@ -238,11 +241,12 @@ bool quantized_linear_bf16_available() { return PAGEDLLM_QUANTIZED_BF16; }
 // columns of a block once, when its first tile there needs them, so each weight is read and dequantized once per
 // call (twice for a block two threads share).
 at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                 const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                 const at::Tensor& offsets,
+                                 const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                                  int64_t out_features,
                                  const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   if (op.m == 0) return op.out;
@@ -268,11 +272,12 @@ at::Tensor quantized_linear_bf16(const at::Tensor& x, const at::Tensor& values, 
 // tiles of gate block i and up block i are multiplied in the same work unit and combined in its epilogue, as
 // linear_silu_and_mul_bf16 does over dense weights, without the [..., 2 * width] projection output.
 at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& values,
-                                              const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                                              const at::Tensor& scales, const at::Tensor& offsets,
+                                              const at::Tensor& multipliers, int64_t bits,
                                               int64_t group, int64_t zero,
                                               const c10::optional<at::Tensor>& bias, int64_t width) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, zero, 2 * width);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, 2 * width);
   TORCH_CHECK(width % kPanel == 0, "a [gate; up] weight whose halves are whole panels of 16 columns is required");
   const pagedllm::LinearOperands op(x, w.k, bias, width, at::kBFloat16);
   if (op.m == 0) return op.out;
@@ -302,11 +307,12 @@ at::Tensor quantized_linear_silu_and_mul_bf16(const at::Tensor& x, const at::Ten
 // and dotted with the rows as it streams by, so a call reads the weights once at their quantized size. Its sums
 // run in another order than the tiles', so a row's result may differ from theirs in the last bit.
 at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                               const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                               const at::Tensor& offsets,
+                               const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                                int64_t out_features,
                                const c10::optional<at::Tensor>& bias, bool float_output) {
 #if PAGEDLLM_QUANTIZED_BF16
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   const int64_t n = w.n;
   const pagedllm::LinearOperands op(x, w.k, bias, n, float_output ? at::kFloat : at::kBFloat16);
   const int64_t m = op.m, lda = op.lda;

@@ -131,10 +131,11 @@ int64_t row_parts(int64_t blocks, int64_t m) {
 // x's dtype, or float32 when `float_output`. Work units are (block, part of the rows); a thread dequantizes a block
 // once for its consecutive units of it.
 at::Tensor quantized_linear_tiles_f32(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                                      const at::Tensor& offsets, int64_t bits, int64_t group, int64_t zero,
+                                      const at::Tensor& offsets,
+                                      const at::Tensor& multipliers, int64_t bits, int64_t group, int64_t zero,
                                       int64_t out_features, const c10::optional<at::Tensor>& bias,
                                       bool float_output) {
-  const Weights w(values, scales, offsets, bits, group, zero, out_features);
+  const Weights w(values, scales, offsets, multipliers, bits, group, zero, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bf16 input");
   TORCH_CHECK(x.size(-1) == w.k, "input width ", x.size(-1), " does not match the weight's ", w.k);
   const at::Tensor rows = x.reshape({-1, w.k}).to(at::kFloat).contiguous();

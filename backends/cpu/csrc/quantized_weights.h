@@ -15,7 +15,10 @@
 //   a lane's bytes' nibbles are 8 bits apart, and those of a bf16 pair 16 bits apart, so that, as for the nibbles,
 //   one shift and one mask put either beside the low bits (u = low + 16 * high).
 // Scales and offsets are [panels][groups][16], float32, or float16 where every one of them is exact in it (GGUF's
-// Q4_0, Q4_1 and Q8_0 keep theirs in float16): fewer bytes per weight for the bandwidth-bound decode. A symmetric
+// Q4_0, Q4_1 and Q8_0 keep theirs in float16): fewer bytes per weight for the bandwidth-bound decode. K-quants keep
+// them as the file does, factored: int8 factors per group times a float32 multiplier per column and super-block of
+// 256 inputs (`multipliers`, [panels][supers][2][16]: the scales' multiplier, then the offsets'), whose products are
+// the same floats. A symmetric
 // format (Q4_0, Q8_0, Q6_K, int8) stores no offsets: each is -zero * scale, for its integer zero point. A weight
 // whose columns do not fill its last panel is padded with zero columns.
 #pragma once
@@ -32,6 +35,7 @@ namespace pagedllm {
 constexpr int64_t kChunk = 32;       // inputs per activation scale of the int8 path
 constexpr int64_t kPanel = 16;       // columns per panel
 constexpr int64_t kLoadBytes = 64;   // one load: kPanel lanes of 32 bits
+constexpr int64_t kSuper = 256;      // inputs per multiplier of factored scales (a K-quant's super-block)
 // Loads ahead that the streaming kernels prefetch: one core's few outstanding misses, not the hardware prefetcher,
 // bound a stream's rate otherwise (docs/quantization.md).
 constexpr int64_t kPrefetchLoads = 32;
@@ -50,19 +54,23 @@ struct QuantizedWeights {
   const uint8_t* values;
   const void* scales;
   const void* offsets;
+  const float* multipliers;  // null unless the scales and offsets are int8 factors
   bool half;  // scales and offsets in float16
+  int64_t element;  // bytes per scale or offset: 1 (factors), 2 or 4
   int64_t bits, group, zero, k, n, panels, groups;  // zero > 0: offsets are -zero * scale, not stored
 
-  QuantizedWeights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, int64_t bits_, int64_t group_,
-                   int64_t zero_, int64_t n_)
+  QuantizedWeights(const at::Tensor& v, const at::Tensor& s, const at::Tensor& o, const at::Tensor& m, int64_t bits_,
+                   int64_t group_, int64_t zero_, int64_t n_)
       : bits(bits_), group(group_), zero(zero_), n(n_) {
     TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "4-bit, 6-bit or 8-bit values, got ", bits);
     TORCH_CHECK(group == 16 || group == 32, "groups of 16 or 32 inputs, got ", group);
     TORCH_CHECK(v.dim() == 2 && v.scalar_type() == at::kByte && v.is_contiguous(), "values: contiguous uint8 [P, *]");
     half = s.scalar_type() == at::kHalf;
-    TORCH_CHECK(s.dim() == 3 && (s.scalar_type() == at::kFloat || half) && s.is_contiguous() &&
-                    s.size(0) == v.size(0) && s.size(2) == kPanel,
-                "scales: contiguous float32 or float16 [panels, groups, 16]");
+    const bool factored = m.numel() > 0;
+    element = factored ? 1 : half ? 2 : 4;
+    TORCH_CHECK(s.dim() == 3 && s.scalar_type() == (factored ? at::kChar : half ? at::kHalf : at::kFloat) &&
+                    s.is_contiguous() && s.size(0) == v.size(0) && s.size(2) == kPanel,
+                "scales: contiguous float32 or float16 [panels, groups, 16], or int8 factors with multipliers");
     TORCH_CHECK(zero >= 0 && zero < (1 << bits), "a zero point of ", zero, " for ", bits, "-bit values");
     TORCH_CHECK(zero > 0 || (o.scalar_type() == s.scalar_type() && o.is_contiguous() && o.sizes() == s.sizes()),
                 "offsets: as the scales (or a zero point instead)");
@@ -72,19 +80,29 @@ struct QuantizedWeights {
     TORCH_CHECK(k % kChunk == 0 && groups * group == k, "the input width ", k, " must be whole chunks of 32 and ",
                 "match the scales' ", groups, " groups of ", group);
     TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, n, " columns do not fill ", panels, " panels");
+    TORCH_CHECK(!factored || (m.scalar_type() == at::kFloat && m.is_contiguous() && k % kSuper == 0 &&
+                              m.sizes() == at::IntArrayRef({panels, k / kSuper, 2, kPanel})),
+                "multipliers: contiguous float32 [panels, k / 256, 2, 16]");
     values = v.data_ptr<uint8_t>();
     scales = s.data_ptr();
     offsets = zero > 0 ? nullptr : o.data_ptr();
+    multipliers = factored ? m.data_ptr<float>() : nullptr;
   }
   int64_t panel_bytes() const { return k * kPanel * bits / 8; }
   const uint8_t* panel(int64_t p) const { return values + p * panel_bytes(); }
   // where the 16 scales or offsets of panel p, group g start
   const void* of_group(const void* table, int64_t p, int64_t g) const {
-    return static_cast<const char*>(table) + (p * groups + g) * kPanel * (half ? 2 : 4);
+    return static_cast<const char*>(table) + (p * groups + g) * kPanel * element;
+  }
+  // factored: where the 16 multipliers of those scales or offsets start
+  const float* multiplier_of(const void* table, int64_t p, int64_t g) const {
+    return multipliers + ((p * (k / kSuper) + g * group / kSuper) * 2 + (table == offsets ? 1 : 0)) * kPanel;
   }
   // the scale or offset of column c there
   float at(const void* table, int64_t p, int64_t g, int64_t c) const {
     const void* first = of_group(table, p, g);
+    if (multipliers != nullptr)
+      return static_cast<float>(static_cast<const int8_t*>(first)[c]) * multiplier_of(table, p, g)[c];
     return half ? static_cast<float>(static_cast<const c10::Half*>(first)[c]) : static_cast<const float*>(first)[c];
   }
   float scale(int64_t p, int64_t g, int64_t c) const { return at(scales, p, g, c); }

@@ -25,6 +25,9 @@ _BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 2
            "Q6_K": (210, 256)}
 
 
+SUPER = 256  # inputs per super-block of a K-quant: one float16 multiplier of its groups' integer scales
+
+
 @dataclasses.dataclass
 class QuantizedWeight:
     values: torch.Tensor  # uint8 [out, in * bits / 8]
@@ -33,6 +36,10 @@ class QuantizedWeight:
     bits: int
     group: int
     format: str  # where it came from: "Q4_K", "q8_0", ...
+    # K-quants: float32 [out, in / SUPER, 2], the multipliers of each super-block's scales and offsets, which are
+    # them times small integers; the panels keep those factors (fewer bytes). Dropped where a change of shape splits
+    # a super-block: the scales and offsets alone are the weight.
+    multipliers: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -56,21 +63,26 @@ class QuantizedWeight:
     def rows(self, index: slice | torch.Tensor) -> QuantizedWeight:
         """The given output rows (a tensor-parallel rank's share, or a permutation), in tensors of their own: a
         rank's share held as a view would keep the whole weight's storage alive."""
-        def take(tensor: torch.Tensor) -> torch.Tensor:
+        def take(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
             part = tensor[index]
             return part.clone() if part._is_view() else part.contiguous()
 
-        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales), offsets=take(self.offsets))
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales), offsets=take(self.offsets),
+                                   multipliers=take(self.multipliers))
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
         """Inputs start..end (whole chunks and groups: a row-parallel rank's share)."""
         if start % CHUNK or end % CHUNK:
             raise ValueError(f"inputs {start}..{end} do not split the weight at whole chunks of {CHUNK}")
         bytes_per = self.bits / 8
+        whole_supers = self.multipliers is not None and start % SUPER == 0 and end % SUPER == 0
         return dataclasses.replace(
             self, values=self.values[:, int(start * bytes_per):int(end * bytes_per)].contiguous(),
             scales=self.scales[:, start // self.group:end // self.group].contiguous(),
-            offsets=self.offsets[:, start // self.group:end // self.group].contiguous())
+            offsets=self.offsets[:, start // self.group:end // self.group].contiguous(),
+            multipliers=self.multipliers[:, start // SUPER:end // SUPER].contiguous() if whole_supers else None)
 
     def widened(self, bits: int, group: int) -> QuantizedWeight:
         """The same weights with more bits per value or smaller groups (to concatenate with another format)."""
@@ -88,8 +100,10 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
     bits, group = max(w.bits for w in weights), min(w.group for w in weights)
     same = [w.widened(bits, group) for w in weights]
     formats = sorted({w.format for w in weights})
+    factored = all(w.multipliers is not None for w in weights)
     return QuantizedWeight(torch.cat([w.values for w in same]), torch.cat([w.scales for w in same]),
-                           torch.cat([w.offsets for w in same]), bits, group, "+".join(formats))
+                           torch.cat([w.offsets for w in same]), bits, group, "+".join(formats),
+                           torch.cat([w.multipliers for w in same]) if factored else None)
 
 
 _HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # a 6-bit chunk's high bits, 4 inputs per byte
@@ -122,11 +136,13 @@ def pack_values(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _weight(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, rows: int, bits: int, group: int,
-            fmt: str) -> QuantizedWeight:
+            fmt: str, multipliers: np.ndarray | None = None) -> QuantizedWeight:
     """A QuantizedWeight of ``values`` already packed as ``pack_values`` packs them."""
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(values)).reshape(rows, -1),
                            torch.from_numpy(scales.astype(np.float32)).reshape(rows, -1),
-                           torch.from_numpy(offsets.astype(np.float32)).reshape(rows, -1), bits, group, fmt)
+                           torch.from_numpy(offsets.astype(np.float32)).reshape(rows, -1), bits, group, fmt,
+                           None if multipliers is None else
+                           torch.from_numpy(multipliers.astype(np.float32)).reshape(rows, -1, 2))
 
 
 def _packed_6bit(u: np.ndarray, rows: int) -> np.ndarray:
@@ -167,8 +183,8 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
     first = _from_blocks(blocks[:step], type_name)
     if step >= rows:
         return first
-    tensors = ("values", "scales", "offsets")
-    weight = dataclasses.replace(first, **{name: getattr(first, name).new_empty(rows, getattr(first, name).shape[1])
+    tensors = ("values", "scales", "offsets") + (() if first.multipliers is None else ("multipliers",))
+    weight = dataclasses.replace(first, **{name: getattr(first, name).new_empty(rows, *getattr(first, name).shape[1:])
                                            for name in tensors})
     for start in range(0, rows, step):
         part = first if start == 0 else _from_blocks(blocks[start:start + step], type_name)
@@ -197,14 +213,15 @@ def _from_blocks(blocks: np.ndarray, type_name: str) -> QuantizedWeight:
         d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
         scale, minimum = _k_scale_min(b[:, 4:16])
         qs = b[:, size - 128:].reshape(-1, 4, 2, 16)  # 64 inputs per 32 bytes: i in the low nibbles, 32 + i high
+        multipliers = np.concatenate([d, -dmin], axis=-1)  # scale = d * scale factor, offset = -dmin * minimum
         if type_name == "Q4_K":  # each 32 inputs as a packed chunk: i low, 16 + i high
             low, high = qs[:, :, 0], qs[:, :, 1]
             u = np.stack([(low & 0x0F) | (high << 4), (low >> 4) | (high & 0xF0)], axis=2)
-            return _weight(u, d * scale, -(dmin * minimum), rows, 4, 32, type_name)
+            return _weight(u, d * scale, -(dmin * minimum), rows, 4, 32, type_name, multipliers)
         u = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
         qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         u = u.reshape(-1, 8, 32) | ((qh & 1) << 4)
-        return _weight(_packed_6bit(u, rows), d * scale, -(dmin * minimum), rows, 6, 32, type_name)
+        return _weight(_packed_6bit(u, rows), d * scale, -(dmin * minimum), rows, 6, 32, type_name, multipliers)
     # Q6_K: 6-bit values, signed around 32, with an int8 scale per 16 inputs.
     b = blocks.reshape(-1, 210)
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _half(b[:, 208:210])
@@ -212,7 +229,7 @@ def _from_blocks(blocks: np.ndarray, type_name: str) -> QuantizedWeight:
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
     scale = d * scales.copy().view(np.int8).astype(np.float32)
-    return _weight(_packed_6bit(u, rows), scale, -32 * scale, rows, 6, 16, type_name)
+    return _weight(_packed_6bit(u, rows), scale, -32 * scale, rows, 6, 16, type_name, np.concatenate([d, d], axis=-1))
 
 
 # Rows quantized per pass: the float32 temporaries are a few times this many rows, not the whole weight's (a Llama-3
@@ -261,8 +278,9 @@ class PanelWeight:
     load holds the same inputs of 16 columns (csrc/quantized_weights.h describes the order inside a load)."""
 
     values: torch.Tensor  # uint8 [panels, in * 16 * bits / 8]
-    scales: torch.Tensor  # float32 or float16 [panels, groups, 16]
+    scales: torch.Tensor  # float32 or float16 [panels, groups, 16], or int8 factors of the multipliers
     offsets: torch.Tensor  # the same, or empty where they are -zero * scale
+    multipliers: torch.Tensor  # factored: float32 [panels, in / SUPER, 2 (scales', offsets'), 16]; else empty
     bits: int
     group: int
     zero: int  # symmetric formats' zero point (offset = -zero * scale), else 0
@@ -276,7 +294,7 @@ class PanelWeight:
     @property
     def layout(self) -> tuple:
         """The weight's first arguments of every quantized kernel."""
-        return self.values, self.scales, self.offsets, self.bits, self.group, self.zero
+        return self.values, self.scales, self.offsets, self.multipliers, self.bits, self.group, self.zero
 
     @property
     def arguments(self) -> tuple:
@@ -334,6 +352,12 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
     # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets; GGUF's float16 scales half the bytes
     symmetric = {z: True for z in (8, 128, 32) if z < 2 ** bits}
     halves = True
+    # K-quants: int8 factors of their super-blocks' multipliers, a quarter of float32's bytes
+    factored = weight.multipliers is not None and k % SUPER == 0
+    exact = [factored, factored]  # whether the scales' and the offsets' factors give them back
+    if factored:
+        factors = torch.empty(2, panels, groups, PANEL, dtype=torch.int8)
+        multipliers = torch.empty(panels, k // SUPER, 2, PANEL)
     step = max(1, PIECE_BYTES // (PANEL * k))
     for first in range(0, panels, step):
         rows = slice(first * PANEL, min(n, (first + step) * PANEL))
@@ -349,9 +373,28 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
         for z in symmetric:
             symmetric[z] = symmetric[z] and torch.equal(offset, -z * scale)
         halves = halves and all(torch.equal(t.half().float(), t) for t in (scale, offset))
+        if factored:
+            multiplier = F.pad(weight.multipliers[rows], (0, 0, 0, 0, 0, padding))  # [count * 16, supers, 2]
+            per_group = multiplier.repeat_interleave(SUPER // weight.group, dim=1)
+            for i, table in enumerate((scale, offset)):
+                factor, equal = _factors(table, per_group[..., i])
+                exact[i] = exact[i] and equal
+                factors[i, first:first + count] = factor.reshape(count, PANEL, groups).transpose(1, 2)
+            multipliers[first:first + count] = multiplier.reshape(count, PANEL, -1, 2).permute(0, 2, 3, 1)
     zero = next((z for z, equal in symmetric.items() if equal), 0)
+    factored = exact[0] and (exact[1] or zero > 0)  # a zero point's offsets are not stored
+    if factored:
+        scales, offsets = factors
+    elif halves:
+        scales, offsets = scales.half(), offsets.half()
     if zero:
         offsets = scales.new_empty(panels, 0, PANEL)
-    if halves:
-        scales, offsets = scales.half(), offsets.half()
-    return PanelWeight(values, scales, offsets, bits, weight.group, zero, weight.format, n)
+    if not factored:
+        multipliers = torch.empty(0)
+    return PanelWeight(values, scales, offsets, multipliers, bits, weight.group, zero, weight.format, n)
+
+
+def _factors(table: torch.Tensor, multiplier: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``table`` (scales or offsets) over ``multiplier`` as int8, and whether their products give it back exactly."""
+    factor = torch.where(multiplier == 0, 0, table / multiplier).round().clamp(-128, 127)
+    return factor.to(torch.int8), torch.equal(factor * multiplier, table)

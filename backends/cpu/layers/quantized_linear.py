@@ -70,6 +70,7 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("values", panels.values)
         self.register_buffer("scales", panels.scales)
         self.register_buffer("offsets", panels.offsets)
+        self.register_buffer("multipliers", panels.multipliers)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.bf16_kernels = bf16 and kernels.quantized_linear_bf16_available()
         # without the bf16 kernels, int8 activations are a bf16 model's only quantized kernel for a few rows
@@ -79,7 +80,7 @@ class QuantizedLinear(torch.nn.Module):
         self.activation_bits = 8 if self.int8_activations else 16
         # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
         self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
-        self.nbytes = sum(t.nbytes for t in (self.values, self.scales, self.offsets))
+        self.nbytes = sum(t.nbytes for t in (self.values, self.scales, self.offsets, self.multipliers))
         self.float_output = False
         self.kernel_only = kernel_only
         self._kernels = kernels
@@ -92,13 +93,13 @@ class QuantizedLinear(torch.nn.Module):
         return "int8" if self.int8_activations else "int16"
 
     def kernel_weight(self) -> tuple:
-        """(values, scales, offsets, bits, group, zero, out_features, bias): the kernels' weight arguments, kept once
-        made: looking the buffers up through Module.__getattr__ costs a few microseconds on every call of a decode
-        step's small linears."""
+        """(values, scales, offsets, multipliers, bits, group, zero, out_features, bias): the kernels' weight
+        arguments, kept once made: looking the buffers up through Module.__getattr__ costs a few microseconds on every
+        call of a decode step's small linears."""
         made = self.__dict__.get("_kernel_weight")
         if made is None:
-            made = self.__dict__["_kernel_weight"] = (self.values, self.scales, self.offsets, self.bits, self.group,
-                                                      self.zero, self.out_features, self.bias)
+            made = self.__dict__["_kernel_weight"] = (self.values, self.scales, self.offsets, self.multipliers,
+                                                      self.bits, self.group, self.zero, self.out_features, self.bias)
         return made
 
     @property
@@ -146,6 +147,6 @@ class QuantizedSiluAndMul(QuantizedLinear):
         rows = x.numel() // self.in_features
         if self.bf16_kernels and (self.kernel_only or rows > self.few_rows) and self.width % PANEL == 0:
             return self._kernels.quantized_linear_silu_and_mul_bf16(
-                x, *self.arguments[:6], self.bias, self.width)
+                x, *self.arguments[:7], self.bias, self.width)
         both = super().forward(x)
         return self._kernels.silu_and_mul(both[..., :self.width], both[..., self.width:])

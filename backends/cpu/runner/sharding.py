@@ -178,7 +178,9 @@ def use_head_slice(model: torch.nn.Module, rows: QuantizedWeight, rank: Rank) ->
 def _zero_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
     return dataclasses.replace(weight, values=weight.values.new_zeros(rows, weight.values.shape[1]),
                                scales=weight.scales.new_zeros(rows, weight.scales.shape[1]),
-                               offsets=weight.offsets.new_zeros(rows, weight.offsets.shape[1]))
+                               offsets=weight.offsets.new_zeros(rows, weight.offsets.shape[1]),
+                               multipliers=None if weight.multipliers is None else
+                               weight.multipliers.new_zeros(rows, *weight.multipliers.shape[1:]))
 
 
 def shard_model(model: torch.nn.Module, rank: Rank) -> None:
