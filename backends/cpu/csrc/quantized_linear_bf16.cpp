@@ -83,9 +83,13 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
   alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(interleave);
+  __m512 scale = _mm512_setzero_ps(), offset = scale;
   for (int64_t l = 0; l < w.k / per_load; ++l) {
-    const int64_t g = l * per_load / w.group;
-    const __m512 scale = group_lanes(w, w.scales, p, g), offset = offset_lanes(w, scale, p, g);
+    if (l * per_load % w.group == 0) {  // a group's first load: its scales (converted once for its loads)
+      const int64_t g = l * per_load / w.group;
+      scale = group_lanes(w, w.scales, p, g);
+      offset = offset_lanes(w, scale, p, g);
+    }
     const __m512i v = _mm512_loadu_si512(Weights::load_at(panel, Bits, l));
     const __m512i high = Bits == 6 ? _mm512_loadu_si512(Weights::high_at(panel, l)) : v;
     for (int q = 0; q < per_load / 2; ++q) {

@@ -39,11 +39,16 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
   const bool bytes = w.bits == 8;
   const int* input = bytes ? pagedllm::kInputOfByte : pagedllm::kInputOfNibble;
   const Lanes::I mask = Lanes::set1(bytes ? 0xFF : 0x0F), high_mask = Lanes::set1(0x30);
+  Lanes::F scale[Lanes::halves], offset[Lanes::halves];
   for (int64_t l = 0; l < w.k / per_load; ++l) {
-    const int64_t g = l * per_load / w.group;
+    if (l * per_load % w.group == 0) {  // a group's first load: its scales (converted once for its loads)
+      const int64_t g = l * per_load / w.group;
+      for (int h = 0; h < Lanes::halves; ++h) {
+        scale[h] = pagedllm::group_lanes(w, w.scales, p, g, h);
+        offset[h] = pagedllm::offset_lanes(w, scale[h], p, g, h);
+      }
+    }
     for (int h = 0; h < Lanes::halves; ++h) {
-      const Lanes::F scale = pagedllm::group_lanes(w, w.scales, p, g, h);
-      const Lanes::F offset = pagedllm::offset_lanes(w, scale, p, g, h);
       const Lanes::I v = Lanes::load(Weights::load_at(panel, w.bits, l) + h * kLanes * 4);
       const Lanes::I high = w.bits == 6 ? Lanes::load(Weights::high_at(panel, l) + h * kLanes * 4) : v;
       for (int e = 0; e < per_load; ++e) {
@@ -51,7 +56,8 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
         if (w.bits == 6)  // the high 2 bits above the nibble
           u = Lanes::bor(u, Lanes::band(Lanes::shift(high, pagedllm::high_bit(static_cast<int>(l % 2), e) - 4),
                                         high_mask));
-        Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes, Lanes::fma(Lanes::cvt(u), scale, offset));
+        Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes,
+                     Lanes::fma(Lanes::cvt(u), scale[h], offset[h]));
       }
     }
   }
