@@ -51,7 +51,10 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.offsets))
+        """Its bytes, the K-quants' scales and offsets counted as their int8 factors (as the panels keep them)."""
+        if self.multipliers is None:
+            return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.offsets))
+        return self.values.numel() + self.scales.numel() + self.offsets.numel() + self.multipliers.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, in torch."""
