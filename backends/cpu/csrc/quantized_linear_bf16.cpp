@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "brgemm_tiles.h"
-#include "quantized_weights.h"
+#include "quantized_lanes.h"
 #include "utils.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -38,21 +38,6 @@ using pagedllm::kHalf;
 using pagedllm::kPanel;
 using Weights = pagedllm::QuantizedWeights;
 
-// The 16 scales or offsets of panel p, group g.
-inline __m512 group_lanes(const Weights& w, const void* table, int64_t p, int64_t g) {
-  const void* first = w.of_group(table, p, g);
-  if (w.multipliers != nullptr)
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(first)))),
-                         _mm512_loadu_ps(w.multiplier_of(table, p, g)));
-  return w.half ? _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(first)))
-                : _mm512_loadu_ps(static_cast<const float*>(first));
-}
-
-inline __m512 offset_lanes(const Weights& w, __m512 scale, int64_t p, int64_t g) {
-  return w.zero > 0 ? _mm512_mul_ps(scale, _mm512_set1_ps(static_cast<float>(-w.zero)))
-                    : group_lanes(w, w.offsets, p, g);
-}
-
 // Pairs of 4-bit values as bf16 pairs 128 + u: or-ing u into the mantissa of 128.0 (0x4300) is exact, and the
 // offsets' term takes the 128 back (gemv_panel's `magic`).
 inline __m512i magic_pairs(__m512i v, int shift) {
@@ -60,16 +45,11 @@ inline __m512i magic_pairs(__m512i v, int shift) {
                                    _mm512_set1_epi32(0x43004300), 0xEA);  // (a & b) | c
 }
 
-// right by `bits`, or left by -bits
-inline __m512i shift_lanes(__m512i a, int bits) {
-  return bits >= 0 ? _mm512_srli_epi32(a, bits) : _mm512_slli_epi32(a, -bits);
-}
-
 // `lanes` (one value per 16-bit or 32-bit field, below 16) with the 2 high bits of nibble k of 6-bit load j (and of
 // the nibble 16 bits above, for pairs) or-ed in above them: u below 64, so that 128 + u is still exact in bf16.
 inline __m512i with_high_bits(__m512i lanes, __m512i high, int j, int k, int32_t mask) {
-  return _mm512_ternarylogic_epi32(shift_lanes(high, pagedllm::high_bit(j, k) - 4), _mm512_set1_epi32(mask), lanes,
-                                   0xEA);
+  const __m512i moved = pagedllm::Lanes::shift(high, pagedllm::high_bit(j, k) - 4);
+  return _mm512_ternarylogic_epi32(moved, _mm512_set1_epi32(mask), lanes, 0xEA);  // (a & b) | c
 }
 
 // The 16 columns of panel p as bf16 pairs, into dst in brgemm's B layout of ldb columns: dst[q * ldb + c] is the
@@ -87,8 +67,8 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     if (l * per_load % w.group == 0) {  // a group's first load: its scales (converted once for its loads)
       const int64_t g = l * per_load / w.group;
-      scale = group_lanes(w, w.scales, p, g);
-      offset = offset_lanes(w, scale, p, g);
+      scale = pagedllm::group_lanes(w, w.scales, p, g, 0);
+      offset = pagedllm::offset_lanes(w, scale, p, g, 0);
     }
     const __m512i v = _mm512_loadu_si512(Weights::load_at(panel, Bits, l));
     const __m512i high = Bits == 6 ? _mm512_loadu_si512(Weights::high_at(panel, l)) : v;
@@ -174,8 +154,8 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
       load_products(l, std::integral_constant<int, 0>{});
       if (Bits == 6) load_products(l + 1, std::integral_constant<int, 1>{});
     }
-    const __m512 scale = group_lanes(w, w.scales, p, g);
-    const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, offset_lanes(w, scale, p, g));
+    const __m512 scale = pagedllm::group_lanes(w, w.scales, p, g, 0);
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, pagedllm::offset_lanes(w, scale, p, g, 0));
     for (int r = 0; r < R; ++r) {
       const __m512 sum = Bits != 8 ? _mm512_add_ps(a[r], b[r]) : _mm512_fmadd_ps(b[r], _mm512_set1_ps(16.f), a[r]);
       acc[r] = _mm512_fmadd_ps(sum, scale, acc[r]);
