@@ -111,6 +111,12 @@ struct Lanes {
 #endif
 constexpr int kLanes = kPanel / Lanes::halves;
 
+// 6 bits: `low` (values below 16 in the fields `mask` selects at bits 4 and 5) with the high 2 bits of nibble k of
+// load j of the unit (lanes `high`) put above them (quantized_weights.h's high_bit).
+inline Lanes::I with_high_bits(Lanes::I low, Lanes::I high, int j, int k, int32_t mask) {
+  return Lanes::bor(low, Lanes::band(Lanes::shift(high, high_bit(j, k) - 4), Lanes::set1(mask)));
+}
+
 // Half h of the 16 scales or offsets of panel p, group g.
 inline Lanes::F group_lanes(const QuantizedWeights& w, const void* table, int64_t p, int64_t g, int h) {
   const char* first = static_cast<const char*>(w.of_group(table, p, g));

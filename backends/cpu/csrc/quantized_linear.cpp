@@ -116,8 +116,7 @@ inline Lanes::I step_values(Lanes::I v, Lanes::I high, int e) {
                                    Lanes::set1(pairs ? 0x000F000F : 0x0F0F0F0F));
   if (Bits == 4) return low;
   // nibble e's high bits (and those of the nibbles 16 or 8 bits above) moved to bits 4 and 5
-  return Lanes::bor(low, Lanes::band(Lanes::shift(high, pagedllm::high_bit(J, e) - 4),
-                                     Lanes::set1(pairs ? 0x00300030 : 0x30303030)));
+  return pagedllm::with_high_bits(low, high, J, e, pairs ? 0x00300030 : 0x30303030);
 }
 
 // acc + the lane sums of the values of one step times a broadcast 32-bit word of activations

@@ -45,13 +45,6 @@ inline __m512i magic_pairs(__m512i v, int shift) {
                                    _mm512_set1_epi32(0x43004300), 0xEA);  // (a & b) | c
 }
 
-// `lanes` (one value per 16-bit or 32-bit field, below 16) with the 2 high bits of nibble k of 6-bit load j (and of
-// the nibble 16 bits above, for pairs) or-ed in above them: u below 64, so that 128 + u is still exact in bf16.
-inline __m512i with_high_bits(__m512i lanes, __m512i high, int j, int k, int32_t mask) {
-  const __m512i moved = pagedllm::Lanes::shift(high, pagedllm::high_bit(j, k) - 4);
-  return _mm512_ternarylogic_epi32(moved, _mm512_set1_epi32(mask), lanes, 0xEA);  // (a & b) | c
-}
-
 // The 16 columns of panel p as bf16 pairs, into dst in brgemm's B layout of ldb columns: dst[q * ldb + c] is the
 // pair of inputs 2q and 2q + 1 of column c, as one 32-bit word; w = scale * u + offset, rounded once.
 template <int Bits>
@@ -79,8 +72,8 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
       __m512i u_odd = _mm512_and_si512(_mm512_srli_epi32(v, second), mask);
       if (Bits == 6) {
         const int j = static_cast<int>(l % 2);
-        u_even = with_high_bits(u_even, high, j, q, 0x30);
-        u_odd = with_high_bits(u_odd, high, j, q + 4, 0x30);
+        u_even = pagedllm::with_high_bits(u_even, high, j, q, 0x30);
+        u_odd = pagedllm::with_high_bits(u_odd, high, j, q + 4, 0x30);
       }
       const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_even), scale, offset);
       const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_odd), scale, offset);
@@ -128,8 +121,8 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
       const __m512i high = Bits == 6 ? _mm512_loadu_si512(highs) : v;
       if (Bits != 8) {
         for (int q = 0; q < 4; ++q) {
-          const __m512i low = magic_pairs(v, 4 * q);
-          const __m512bh weights = (__m512bh)(Bits == 6 ? with_high_bits(low, high, J, q, 0x00300030) : low);
+          const __m512i low = magic_pairs(v, 4 * q);  // 6 bits: u below 64, so 128 + u is still exact in bf16
+          const __m512bh weights = (__m512bh)(Bits == 6 ? pagedllm::with_high_bits(low, high, J, q, 0x00300030) : low);
           for (int r = 0; r < R; ++r) {
             const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][4 * l + q]);
             if (q % 2 == 0)

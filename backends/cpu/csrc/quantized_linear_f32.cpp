@@ -38,7 +38,7 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
   const int64_t per_load = w.inputs_per_load();
   const bool bytes = w.bits == 8;
   const int* input = bytes ? pagedllm::kInputOfByte : pagedllm::kInputOfNibble;
-  const Lanes::I mask = Lanes::set1(bytes ? 0xFF : 0x0F), high_mask = Lanes::set1(0x30);
+  const Lanes::I mask = Lanes::set1(bytes ? 0xFF : 0x0F);
   Lanes::F scale[Lanes::halves], offset[Lanes::halves];
   for (int64_t l = 0; l < w.k / per_load; ++l) {
     if (l * per_load % w.group == 0) {  // a group's first load: its scales (converted once for its loads)
@@ -53,9 +53,7 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
       const Lanes::I high = w.bits == 6 ? Lanes::load(Weights::high_at(panel, l) + h * kLanes * 4) : v;
       for (int e = 0; e < per_load; ++e) {
         Lanes::I u = Lanes::band(Lanes::shr(v, (bytes ? 8 : 4) * e), mask);
-        if (w.bits == 6)  // the high 2 bits above the nibble
-          u = Lanes::bor(u, Lanes::band(Lanes::shift(high, pagedllm::high_bit(static_cast<int>(l % 2), e) - 4),
-                                        high_mask));
+        if (w.bits == 6) u = pagedllm::with_high_bits(u, high, static_cast<int>(l % 2), e, 0x30);
         Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes,
                      Lanes::fma(Lanes::cvt(u), scale[h], offset[h]));
       }
