@@ -330,9 +330,8 @@ def dequantized_copy(model_dir, out_dir, fmt: str):
     with torch.no_grad():
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                kind = ("q8_0" if fmt != "int8" else None) if module is head else fmt
-                if kind is not None:
-                    module.weight.copy_(qf.quantize(module.weight, kind).dequantize())
+                kind = "q8_0" if module is head and fmt != "int8" else fmt
+                module.weight.copy_(qf.quantize(module.weight, kind).dequantize())
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -362,8 +361,8 @@ def test_quantized_at_load_equals_transformers_on_the_same_weights(tiny_llama, t
     llm = LLM(str(tiny_llama), dtype="float32", quantization=fmt, max_model_len=256, kv_cache_space=0.05,
               enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4)
     layers = quantized_layers(llm)
-    # 2 layers x (q/k/v, o, gate/up, down), and the head unless int8 keeps it dense
-    assert len(layers) == (8 if fmt == "int8" else 9) and not any(m.int8_activations for m in layers)
+    # 2 layers x (q/k/v, o, gate/up, down), and the head
+    assert len(layers) == 9 and not any(m.int8_activations for m in layers)
     assert {m.format for m in layers} == ({fmt} if fmt != "q4_0" else {"q4_0", "q8_0"})
     assert greedy(llm, prompts) == expected
 
@@ -404,7 +403,7 @@ def test_int8_on_a_bf16_model_takes_the_int8_gemm(tiny_llama, prompts, kernels):
     llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", max_model_len=256, kv_cache_space=0.05,
               enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4)
     layers = [m for m in llm.engine.backend.runner.model.modules() if isinstance(m, Int8GemmLinear)]
-    assert len(layers) == 8 and not quantized_layers(llm)
+    assert len(layers) == 9 and not quantized_layers(llm)  # the head too
     fast = greedy(llm, prompts, 4)
     assert sum(a[0] == b[0] for a, b in zip(exact, fast)) >= len(prompts) - 1
 
