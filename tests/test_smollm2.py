@@ -4,8 +4,11 @@ import os
 import subprocess
 import sys
 
+import gguf
+import k_quants
 import pytest
 import torch
+from tiny_models import greedy_generate
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelNotFoundError
@@ -57,16 +60,8 @@ def expected(source, prompts):
     """transformers' greedy continuations (it dequantizes the GGUF to float32)."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32)
-    ref.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=2)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+    return greedy_generate(AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32), prompts,
+                           NEW_TOKENS)
 
 
 def test_greedy_equals_transformers_float32(llm, prompts, expected):
@@ -103,6 +98,61 @@ def test_its_own_q4_1_blocks_equal_transformers_float32(prompts, expected, monke
     for _ in range(2):  # the second run from the prefix cache
         assert [o.token_ids for o in quantized.generate(prompts, params, use_tqdm=False)] == expected
     quantized.shutdown()
+
+
+K_QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(source, tmp_path_factory):
+    """The default model's file with its down projections (1,536 inputs: six super-blocks) made Q4_K, Q5_K and
+    Q6_K by turns from their Q4_1 weights; and those projections as ``gguf`` dequantizes them, by layer."""
+    reader = gguf.GGUFReader(str(source.path))
+    path = tmp_path_factory.mktemp("k-quants") / "SmolLM2-135M-Instruct.K-quants.gguf"
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1] if array else None)
+    down = {}
+    for tensor in reader.tensors:
+        data, qtype = tensor.data, tensor.tensor_type
+        if tensor.name.endswith("ffn_down.weight"):
+            layer = int(tensor.name.split(".")[1])
+            qtype = gguf.GGMLQuantizationType[K_QUANT_TYPES[layer % 3]]
+            data = k_quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), qtype.name)
+            down[layer] = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+        writer.add_tensor(tensor.name, data, raw_dtype=qtype if data.dtype == "uint8" else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, down
+
+
+def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts, monkeypatch, tmp_path):
+    """A Q4_K_M-style file's K-quants run as they are (Q5_K and Q6_K values in 6 bits, the file's super-block
+    scales factored): transformers on the same weights, token for token, with chunked prefill and prefix caching."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+
+    path, down = k_quant_file
+    ref = AutoModelForCausalLM.from_pretrained(source.hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for index, layer in enumerate(ref.model.layers):
+            layer.mlp.down_proj.weight.copy_(down[index])
+    expected = greedy_generate(ref, prompts, 16)
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_space=0.5, enable_prefix_caching=True,
+              max_num_batched_tokens=24, max_num_seqs=4)
+    layers = [m for m in llm.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.format for m in layers} == {"Q4_1", "Q8_0", *K_QUANT_TYPES}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for _ in range(2):  # the second run from the prefix cache
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    llm.shutdown()
 
 
 def test_cli_generate_end_to_end(llm):
