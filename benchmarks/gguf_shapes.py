@@ -4,7 +4,7 @@ The shaped model's Hugging Face folder (random bf16 weights) is written as a BF1
 package (norms in float32, as llama.cpp wants them): llama.cpp's tensor names, its q/k row order, and SmolLM2's
 tokenizer (the shaped models' tokenizer) padded
 with unused tokens up to the model's vocabulary. llama.cpp's own quantizer (``llama_model_quantize``, run in the
-llama.cpp venv of llama_cpp_env.py) makes the Q8_0, Q4_0 and Q4_K_M files from it. All are cached beside the
+llama.cpp venv of llama_cpp_env.py) makes the Q8_0, Q4_0, Q4_K_M and Q5_K_M files from it. All are cached beside the
 shaped model. Name ``smollm2`` is the default model itself (its Q4_1 file's weights as transformers dequantizes them,
 then the same two steps): a real model in each format, for precision.py.
 
@@ -25,13 +25,13 @@ import llama_cpp_env
 import model_shapes
 
 # llama.cpp's file type of each quantization its quantizer makes here (LLAMA_FTYPE_MOSTLY_*)
-FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17}
 DEFAULT_MODEL = "smollm2"  # shaped_gguf's name for the default model itself
 
 
 def shaped_gguf(name: str, qtype: str, cache: Path) -> Path:
     """The GGUF file of shaped model ``name`` (or of the default model: DEFAULT_MODEL) in ``qtype`` (BF16, Q8_0,
-    Q4_0 or Q4_K_M), made on first use."""
+    Q4_0, Q4_K_M or Q5_K_M), made on first use."""
     from pagedllm.models.source import default_model_path, gguf_metadata_folder, resolve_model
 
     if name == DEFAULT_MODEL:
