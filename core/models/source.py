@@ -1,6 +1,7 @@
 """Where a model comes from: a Hugging Face folder, a GGUF file, an OpenVINO export folder, or any of these named
-by Hub id (``org/name``, ``org/name:file.gguf`` for one GGUF file of a repository), fetched with huggingface_hub
-into its cache (``HF_HOME``, ``HF_TOKEN``, ``HF_HUB_OFFLINE`` apply) or found there.
+by Hub id (``org/name``; ``org/name:file.gguf`` or ``org/name:Q4_K_M`` for one GGUF file of a repository, by name
+or by quantization type as vLLM and llama.cpp take it), fetched with huggingface_hub into its cache (``HF_HOME``,
+``HF_TOKEN``, ``HF_HUB_OFFLINE`` apply) or found there.
 
 A GGUF file gets a Hugging Face folder of its metadata under the cache directory once (config, a correct
 tokenizer, a generation config; no weights), so that its quantized tensors can run as they are. Its dense copy
@@ -139,16 +140,18 @@ def _check_weight_files(folder: Path) -> None:
 
 
 def _local_path(name: str, revision: str | None, download_dir: str | None, what: str) -> Path:
-    """A local folder or file as given, else the Hub repository ``org/name`` (or one file of it,
-    ``org/name:file.gguf``) from huggingface_hub's cache, downloading what is missing unless offline."""
+    """A local folder or file as given, else the Hub repository ``org/name`` (or one GGUF file of it,
+    ``org/name:file.gguf`` or ``org/name:QUANT_TYPE``) from huggingface_hub's cache, downloading what is missing unless
+    offline."""
     path = Path(name).expanduser()
     if path.exists():
         return path.resolve()
     repo_id, _, filename = name.partition(":")
-    if not _HUB_ID.fullmatch(repo_id) or (filename and not filename.lower().endswith(".gguf")):
+    if not _HUB_ID.fullmatch(repo_id) or (filename and not _QUANT_TYPE.fullmatch(filename)
+                                          and not filename.lower().endswith(".gguf")):
         raise ModelNotFoundError(
             f"{what} {name!r} not found: pass a local Hugging Face folder, a .gguf file, an OpenVINO export folder, "
-            f"or a Hub id (org/name, or org/name:file.gguf)")
+            f"or a Hub id (org/name, org/name:file.gguf or org/name:Q4_K_M)")
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -156,9 +159,13 @@ def _local_path(name: str, revision: str | None, download_dir: str | None, what:
     logger.info("%s %s%s: looking in the Hugging Face cache%s", what, name, f" (revision {revision})" if revision
                 else "", "" if constants.HF_HUB_OFFLINE else ", downloading what is missing")
     try:
+        if filename and _QUANT_TYPE.fullmatch(filename):
+            filename = _gguf_file_of_type(repo_id, filename, revision, download_dir)
         if filename:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=download_dir))
         return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=download_dir))
+    except ModelNotFoundError:
+        raise
     except LocalEntryNotFoundError as exc:
         raise ModelNotFoundError(
             f"{what} {name!r} is not in the Hugging Face cache{f' ({download_dir})' if download_dir else ''} and "
@@ -169,6 +176,43 @@ def _local_path(name: str, revision: str | None, download_dir: str | None, what:
 
 # A Hub repository id: owner/name, each of letters, digits, '-', '_', '.'
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A GGUF quantization type as repositories name their files by it: Q4_K_M, q8_0, IQ4_XS, UD-Q4_K_XL, BF16
+_QUANT_TYPE = re.compile(r"[A-Za-z0-9][\w-]*")
+# One file of a GGUF split into several (llama.cpp's gguf-split names)
+_SPLIT_PART = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)
+
+
+def _gguf_file_of_type(repo_id: str, quant_type: str, revision: str | None, download_dir: str | None) -> str:
+    """The repository's one .gguf file of ``quant_type``: the file whose name ends in it (model-Q4_K_M.gguf,
+    model.Q4_K_M.gguf, Q4_K_M.gguf), as GGUF repositories name them."""
+    names = _repository_ggufs(repo_id, revision, download_dir)
+    of_type = re.compile(rf"(?:^|[-._/]){re.escape(quant_type)}(?:-\d{{5}}-of-\d{{5}})?\.gguf$", re.IGNORECASE)
+    matches = [name for name in names if of_type.search(name)]
+    parts = [name for name in matches if _SPLIT_PART.search(name)]
+    if parts:
+        raise ModelNotFoundError(
+            f"{repo_id}'s {quant_type} is split into {len(parts)} files ({parts[0]}, ...): merge them into one with "
+            f"llama.cpp's `llama-gguf-split --merge` and pass that file")
+    if len(matches) != 1:
+        raise ModelNotFoundError(
+            f"{repo_id} has {'no' if not matches else len(matches)} .gguf files of type {quant_type}"
+            f"{': ' + ', '.join(matches) if matches else ''}; its .gguf files: {', '.join(names) or 'none'}. Name "
+            f"one as {repo_id}:FILE.gguf")
+    return matches[0]
+
+
+def _repository_ggufs(repo_id: str, revision: str | None, download_dir: str | None) -> list[str]:
+    """The repository's .gguf files: listed by the Hub, or, offline, those of its snapshot in the cache."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        snapshot = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
+                                                           local_files_only=True))
+        names = [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*") if path.is_file()]
+    else:
+        names = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    return sorted(name for name in names if name.lower().endswith(".gguf"))
 
 
 def _converted(gguf: Path) -> tuple[Path, Path]:

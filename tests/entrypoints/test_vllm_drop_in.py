@@ -56,6 +56,47 @@ def test_a_hub_id_resolves_to_its_cached_snapshot(cache, tiny_llama_dir, tmp_pat
         gguf_repo / "model.Q8_0.gguf"
 
 
+def test_a_gguf_file_of_a_repository_by_quantization_type(tmp_path):
+    """vLLM's and llama.cpp's ``org/name:Q4_K_M``: the one file named for that type, from the cache when offline."""
+    from pagedllm.models import source as source_module
+
+    repo = hub_cache(tmp_path, "org/gguf", [])
+    names = ["model-Q4_K_M.gguf", "model.Q8_0.gguf", "model-UD-Q4_K_XL.gguf", "model-Q4_K_XL-v2.gguf",
+             "big/model-Q6_K-00001-of-00002.gguf", "big/model-Q6_K-00002-of-00002.gguf", "README.md"]
+    for name in names:
+        (repo / name).parent.mkdir(exist_ok=True)
+        (repo / name).write_bytes(b"GGUF")
+
+    def resolve(name):
+        return source_module._local_path(name, None, str(tmp_path), "model")
+
+    assert resolve("org/gguf:Q4_K_M") == repo / "model-Q4_K_M.gguf"
+    assert resolve("org/gguf:q8_0") == repo / "model.Q8_0.gguf"  # any case, after '-' or '.'
+    assert resolve("org/gguf:UD-Q4_K_XL") == repo / "model-UD-Q4_K_XL.gguf"
+    with pytest.raises(ModelNotFoundError, match="split into 2 files .*llama-gguf-split --merge"):
+        resolve("org/gguf:Q6_K")
+    with pytest.raises(ModelNotFoundError, match="no .gguf files of type Q5_K_M; its .gguf files: big/model"):
+        resolve("org/gguf:Q5_K_M")
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        resolve("org/missing:Q4_K_M")
+
+
+def test_llm_by_hub_id_and_quantization_type_runs_that_file(tmp_path):
+    """The default model's file in a Hub cache (a link to the blob, as huggingface_hub keeps files), named
+    ``org/name:Q4_1``: the same greedy tokens as by its path."""
+    from pagedllm.models.source import default_model_path
+
+    gguf = default_model_path()
+    (hub_cache(tmp_path, "org/smollm2-gguf", []) / gguf.name).symlink_to(gguf)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for model in ("org/smollm2-gguf:Q4_1", str(gguf)):
+        llm = LLM(model, download_dir=str(tmp_path), max_model_len=256, kv_cache_space=0.1)
+        outputs.append(llm.generate(["Tell me about Paris"], params, use_tqdm=False)[0].outputs[0].token_ids)
+        llm.shutdown()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
 def test_a_cache_missing_a_shard_is_refused_naming_it(tiny_llama_dir, tmp_path):
     snapshot = hub_cache(tmp_path, REPO, tiny_llama_dir.iterdir())
     (snapshot / "model.safetensors").rename(snapshot / "model-00001-of-00002.safetensors")
