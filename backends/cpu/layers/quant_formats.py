@@ -49,13 +49,6 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return self.values.shape[1] * 8 // self.bits
 
-    @property
-    def nbytes(self) -> int:
-        """Its bytes, the K-quants' scales and offsets counted as their int8 factors (as the panels keep them)."""
-        if self.multipliers is None:
-            return sum(t.numel() * t.element_size() for t in (self.values, self.scales, self.offsets))
-        return self.values.numel() + self.scales.numel() + self.offsets.numel() + self.multipliers.nbytes
-
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, in torch."""
         u = unpack_values(self.values, self.bits).float()

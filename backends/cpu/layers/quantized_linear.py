@@ -37,9 +37,12 @@ def attach(linear: torch.nn.Linear, weight: QuantizedWeight) -> None:
     linear.weight = torch.nn.Parameter(torch.empty(dense.shape, dtype=dense.dtype, device="meta"), requires_grad=False)
 
 
-def quantized_bytes(model: torch.nn.Module) -> int:
-    """The bytes the model's quantized linears hold (values, scales and offsets)."""
-    return sum(m.nbytes for m in model.modules() if getattr(m, "is_quantized", False))
+def quantized_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """The bytes the model's quantized linears hold (values, scales and offsets), and what they would as dense
+    weights of the model's dtype."""
+    quantized = [m for m in model.modules() if getattr(m, "is_quantized", False)]
+    element = torch.finfo(model.dtype).bits // 8
+    return sum(m.nbytes for m in quantized), sum(m.in_features * m.out_features * element for m in quantized)
 
 
 def quantized_path(model: torch.nn.Module) -> str:

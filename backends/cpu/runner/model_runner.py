@@ -132,10 +132,11 @@ class ModelRunner:
             logger.info("token embedding: rows dequantized from the tied LM head's quantized weight per step (no "
                         "dense table)")
         head_in_float32 = float32_logits(self.model)
+        held, dense = quantized_bytes(self.model)
         logger.info("linear layers: %s%s%s", ", ".join(f"{count} {LINEAR_KINDS[kind]}" for kind, count in packed.items()
                                                        if count) or "nn.Linear",
                     "; the LM head returns float32 logits" if head_in_float32 else "",
-                    f"; quantized ones hold {quantized_bytes(self.model) / 2**20:.0f} MiB and "
+                    f"; quantized ones hold {held / 2**20:.0f} MiB instead of {dense / 2**20:.0f} MiB dense and "
                     f"{QUANTIZED_PATHS[quantized_path(self.model)]}" if packed["quantized"] else "")
         fused = (use_fused_rms_norms(self.model, self.kernels), use_fused_swiglu(self.model, self.kernels),
                  use_fused_rotary(self.model, self.kernels))

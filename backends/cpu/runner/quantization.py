@@ -63,15 +63,11 @@ def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | Non
 
 
 def describe_quantized(model: torch.nn.Module, mode: str, weights: dict) -> str:
-    """What the linear layers hold, for the log: formats, and bytes against the dense weights'."""
+    """What the linear layers hold, for the log: their formats (their bytes are counted once packed)."""
     if mode == "none":
         return "linear layers: dense weights (--quantization none)"
-    linears = {name: module for name, module in model.named_modules() if type(module) is torch.nn.Linear}
-    element = torch.finfo(model.dtype).bits // 8
-    dense_bytes = sum(linears[name].weight.numel() * element for name in weights)
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     formats = collections.Counter(weight.format for weight in weights.values())
-    quantized_bytes = sum(weight.nbytes for weight in weights.values())
     left = len(linears) - len(weights)
-    return (f"linear layers: {len(weights)} quantized ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))}), "
-            f"{quantized_bytes / 2**20:.0f} MiB instead of {dense_bytes / 2**20:.0f} MiB dense"
+    return (f"linear layers: {len(weights)} quantized ({', '.join(f'{n} {f}' for f, n in sorted(formats.items()))})"
             + (f"; {left} dense" if left else ""))
