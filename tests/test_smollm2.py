@@ -132,7 +132,7 @@ def k_quant_file(source, tmp_path_factory):
 
 
 def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts, monkeypatch, tmp_path):
-    """A Q4_K_M-style file's K-quants run as they are (Q5_K and Q6_K values in 6 bits, the file's super-block
+    """A Q4_K_M-style file's K-quants run as they are (Q5_K values in 5 bits, Q6_K in 6, the file's super-block
     scales factored): transformers on the same weights, token for token, with chunked prefill and prefix caching."""
     from transformers import AutoModelForCausalLM
 

@@ -98,6 +98,14 @@ def test_rows_columns_widening_and_concatenation_keep_the_values():
     assert a.columns(256, 512).multipliers.shape == (6, 1, 2) and a.columns(64, 256).multipliers is None
     with pytest.raises(ValueError, match="whole chunks"):
         a.columns(16, 256)
+    # Q5_K's values take 5 bits, widened to 6 beside Q6_K's
+    d = qf.from_gguf(gguf_blocks("Q5_K", 3, 512, seed=3), "Q5_K", 3, 512)
+    assert d.bits == 5 and d.values.shape == (3, 512 * 5 // 8)
+    for others, layout in (([a], (5, 32, "Q4_K+Q5_K")), ([b], (6, 16, "Q5_K+Q6_K"))):
+        fused = qf.concatenate([d, *others])
+        assert (fused.bits, fused.group, fused.format) == layout
+        torch.testing.assert_close(fused.dequantize(), torch.cat([d.dequantize(), *(w.dequantize() for w in others)]))
+    torch.testing.assert_close(d.columns(32, 288).dequantize(), d.dequantize()[:, 32:288])
 
 
 def test_k_quant_scales_that_do_not_factor_stay_float():

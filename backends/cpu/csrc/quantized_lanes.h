@@ -111,10 +111,11 @@ struct Lanes {
 #endif
 constexpr int kLanes = kPanel / Lanes::halves;
 
-// 6 bits: `low` (values below 16 in the fields `mask` selects at bits 4 and 5) with the high 2 bits of nibble k of
-// load j of the unit (lanes `high`) put above them (quantized_weights.h's high_bit).
-inline Lanes::I with_high_bits(Lanes::I low, Lanes::I high, int j, int k, int32_t mask) {
-  return Lanes::bor(low, Lanes::band(Lanes::shift(high, high_bit(j, k) - 4), Lanes::set1(mask)));
+// 5 and 6 bits: `low` (values below 16, in the fields that `mask` selects bits 4 and 5 of) with the high bit or 2 bits
+// of nibble k of load j of the unit (lanes `high`) put above them (quantized_weights.h's high_bit).
+inline Lanes::I with_high_bits(Lanes::I low, Lanes::I high, int bits, int j, int k, int32_t mask) {
+  const int32_t field = bits == 5 ? mask & ~(mask << 1) : mask;  // bit 4 alone for 5 bits
+  return Lanes::bor(low, Lanes::band(Lanes::shift(high, high_bit(bits, j, k) - 4), Lanes::set1(field)));
 }
 
 // Half h of the 16 scales or offsets of panel p, group g.

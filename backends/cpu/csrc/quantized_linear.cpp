@@ -100,8 +100,8 @@ void integer_panel_scalar(const Weights& w, int64_t p, const IntegerActivations<
 #if PAGEDLLM_QUANT_SIMD
 // Steps per load of lane values, and the values of step e as the dot products take them: int8 activations take
 // the 4-bit values as bytes (low nibbles, then high ones) or 8-bit ones whole; int16 activations take pairs of
-// inputs as 16-bit halves (a shift by e values and a mask). 6-bit values are their nibbles' steps with the high 2
-// bits of load J (lanes `high`) put above each nibble.
+// inputs as 16-bit halves (a shift by e values and a mask). 5-bit and 6-bit values are their nibbles' steps with
+// the high bits of load J of their unit (lanes `high`) put above each nibble.
 template <typename T, int Bits>
 constexpr int kSteps = std::is_same<T, int16_t>::value ? (Bits == 8 ? 2 : 4) : (Bits == 8 ? 1 : 2);
 
@@ -115,8 +115,8 @@ inline Lanes::I step_values(Lanes::I v, Lanes::I high, int e) {
   const Lanes::I low = Lanes::band(e == 0 ? v : Lanes::shr(v, pairs ? 4 * e : 4),
                                    Lanes::set1(pairs ? 0x000F000F : 0x0F0F0F0F));
   if (Bits == 4) return low;
-  // nibble e's high bits (and those of the nibbles 16 or 8 bits above) moved to bits 4 and 5
-  return pagedllm::with_high_bits(low, high, J, e, pairs ? 0x00300030 : 0x30303030);
+  // nibble e's high bits (and those of the nibbles 16 or 8 bits above) moved to bit 4 (and 5)
+  return pagedllm::with_high_bits(low, high, Bits, J, e, pairs ? 0x00300030 : 0x30303030);
 }
 
 // acc + the lane sums of the values of one step times a broadcast 32-bit word of activations
@@ -144,15 +144,15 @@ void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h)
         for (int c = 0; c < C; ++c) dot[r][h][c] = Lanes::zeroi();
-    // load l's sums; J: which load of a 6-bit unit it is
+    // load l's sums; J: which load of its unit it is
     const auto load_sums = [&](int64_t l, auto unit_load) {
       constexpr int J = decltype(unit_load)::value;
       Weights::prefetch_ahead(panel, Bits, l);
-      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, l);
+      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, Bits, l);
       Lanes::I v[H], high[H];
       for (int h = 0; h < H; ++h) {
         v[h] = Lanes::load(at + h * kLanes * 4);
-        high[h] = Bits == 6 ? Lanes::load(highs + h * kLanes * 4) : v[h];
+        high[h] = pagedllm::has_high_bits(Bits) ? Lanes::load(highs + h * kLanes * 4) : v[h];
       }
       for (int e = 0; e < S; ++e) {
         Lanes::I u[H];
@@ -163,10 +163,7 @@ void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act
         }
       }
     };
-    for (int64_t l = g * loads; l < (g + 1) * loads; l += Bits == 6 ? 2 : 1) {
-      load_sums(l, std::integral_constant<int, 0>{});
-      if (Bits == 6) load_sums(l + 1, std::integral_constant<int, 1>{});
-    }
+    pagedllm::for_each_load<Bits>(g * loads, (g + 1) * loads, load_sums);
     const int64_t chunk = g * w.group / kChunk;
     for (int h = 0; h < H; ++h) {
       const Lanes::F scale = group_lanes(w, w.scales, p, g, h), offset = offset_lanes(w, scale, p, g, h);
@@ -202,12 +199,9 @@ void integer_sums(const Weights& w, int64_t p, const IntegerActivations<T>& act,
                   float* sums) {
 #if PAGEDLLM_QUANT_SIMD
   with_rows(rows, [&](auto r) {
-    if (w.bits == 4)
-      integer_panel<decltype(r)::value, 4>(w, p, act, r0, sums);
-    else if (w.bits == 6)
-      integer_panel<decltype(r)::value, 6>(w, p, act, r0, sums);
-    else
-      integer_panel<decltype(r)::value, 8>(w, p, act, r0, sums);
+    pagedllm::with_bits(w.bits, [&](auto bits) {
+      integer_panel<decltype(r)::value, decltype(bits)::value>(w, p, act, r0, sums);
+    });
   });
 #else
   integer_panel_scalar(w, p, act, r0, rows, sums);
@@ -295,10 +289,11 @@ void dequantize_column(const Weights& w, int64_t p, int64_t c, T* dst) {
     const int64_t g = l * per_load / w.group;
     const float scale = w.scale(p, g, c), offset = w.offset(p, g, c);
     const uint32_t word = Weights::word(w.load(p, l) + c * 4);
-    const uint32_t high = w.bits == 6 ? Weights::word(w.high_load(p, l) + c * 4) : 0;
+    const bool high_bits = pagedllm::has_high_bits(w.bits);
+    const uint32_t high = high_bits ? Weights::word(w.high_load(p, l) + c * 4) : 0;
     for (int e = 0; e < per_load; ++e) {
       uint32_t u = (word >> ((bytes ? 8 : 4) * e)) & mask;
-      if (w.bits == 6) u |= ((high >> pagedllm::high_bit(static_cast<int>(l % 2), e)) & 0x03) << 4;
+      if (high_bits) u |= pagedllm::high_part(w.bits, high, l, e) << 4;
       dst[l * per_load + input[e]] = static_cast<T>(std::fma(static_cast<float>(u), scale, offset));
     }
   }

@@ -64,16 +64,16 @@ void dequantize_panel(const Weights& w, int64_t p, uint32_t* dst, int64_t ldb) {
       offset = pagedllm::offset_lanes(w, scale, p, g, 0);
     }
     const __m512i v = _mm512_loadu_si512(Weights::load_at(panel, Bits, l));
-    const __m512i high = Bits == 6 ? _mm512_loadu_si512(Weights::high_at(panel, l)) : v;
+    const __m512i high = pagedllm::has_high_bits(Bits) ? _mm512_loadu_si512(Weights::high_at(panel, Bits, l)) : v;
     for (int q = 0; q < per_load / 2; ++q) {
-      // 4 and 6 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
+      // 4 to 6 bits: pair q in nibbles q and q + 4; 8 bits: pair q in bytes q and q + 2
       const int first = Bits == 8 ? 8 * q : 4 * q, second = first + 16;
       __m512i u_even = _mm512_and_si512(_mm512_srli_epi32(v, first), mask);
       __m512i u_odd = _mm512_and_si512(_mm512_srli_epi32(v, second), mask);
-      if (Bits == 6) {
-        const int j = static_cast<int>(l % 2);
-        u_even = pagedllm::with_high_bits(u_even, high, j, q, 0x30);
-        u_odd = pagedllm::with_high_bits(u_odd, high, j, q + 4, 0x30);
+      if (pagedllm::has_high_bits(Bits)) {
+        const int j = static_cast<int>(l % pagedllm::unit_loads(Bits));
+        u_even = pagedllm::with_high_bits(u_even, high, Bits, j, q, 0x30);
+        u_odd = pagedllm::with_high_bits(u_odd, high, Bits, j, q + 4, 0x30);
       }
       const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_even), scale, offset);
       const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u_odd), scale, offset);
@@ -112,17 +112,19 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
   for (int64_t g = 0; g < w.groups; ++g) {
     __m512 a[R], b[R];  // two sums per row: alternate pairs (4 bits), low and high nibbles (8 bits)
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
-    // load l's products; J: which load of a 6-bit unit it is
+    // load l's products; J: which load of its unit it is
     const auto load_products = [&](int64_t l, auto unit_load) {
       constexpr int J = decltype(unit_load)::value;
       Weights::prefetch_ahead(panel, Bits, l);
-      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, l);
+      const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, Bits, l);
       const __m512i v = _mm512_loadu_si512(at);
-      const __m512i high = Bits == 6 ? _mm512_loadu_si512(highs) : v;
+      const __m512i high = pagedllm::has_high_bits(Bits) ? _mm512_loadu_si512(highs) : v;
       if (Bits != 8) {
         for (int q = 0; q < 4; ++q) {
-          const __m512i low = magic_pairs(v, 4 * q);  // 6 bits: u below 64, so 128 + u is still exact in bf16
-          const __m512bh weights = (__m512bh)(Bits == 6 ? pagedllm::with_high_bits(low, high, J, q, 0x00300030) : low);
+          const __m512i low = magic_pairs(v, 4 * q);  // 5 and 6 bits: u below 64, so 128 + u is still exact in bf16
+          const __m512bh weights = (__m512bh)(pagedllm::has_high_bits(Bits)
+                                                  ? pagedllm::with_high_bits(low, high, Bits, J, q, 0x00300030)
+                                                  : low);
           for (int r = 0; r < R; ++r) {
             const __m512bh input = (__m512bh)_mm512_set1_epi32(pairs[r][4 * l + q]);
             if (q % 2 == 0)
@@ -143,10 +145,7 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
         }
       }
     };
-    for (int64_t l = g * loads; l < (g + 1) * loads; l += Bits == 6 ? 2 : 1) {
-      load_products(l, std::integral_constant<int, 0>{});
-      if (Bits == 6) load_products(l + 1, std::integral_constant<int, 1>{});
-    }
+    pagedllm::for_each_load<Bits>(g * loads, (g + 1) * loads, load_products);
     const __m512 scale = pagedllm::group_lanes(w, w.scales, p, g, 0);
     const __m512 rest = _mm512_fnmadd_ps(_mm512_set1_ps(magic), scale, pagedllm::offset_lanes(w, scale, p, g, 0));
     for (int r = 0; r < R; ++r) {
@@ -187,12 +186,9 @@ class DequantizedBlock {
       const int half = static_cast<int>(first / kHalf);
       if (halves_ & (1 << half)) continue;
       const int64_t p = (row0 + first) / kPanel;
-      if (w.bits == 4)
-        dequantize_panel<4>(w, p, pairs_.get() + first, kColumns);
-      else if (w.bits == 6)
-        dequantize_panel<6>(w, p, pairs_.get() + first, kColumns);
-      else
-        dequantize_panel<8>(w, p, pairs_.get() + first, kColumns);
+      pagedllm::with_bits(w.bits, [&](auto bits) {
+        dequantize_panel<decltype(bits)::value>(w, p, pairs_.get() + first, kColumns);
+      });
       if (first + kPanel >= c0 + width || (first + kPanel) % kHalf == 0) halves_ |= 1 << half;
     }
     return reinterpret_cast<const at::BFloat16*>(pairs_.get() + c0);
@@ -303,12 +299,9 @@ at::Tensor quantized_gemv_bf16(const at::Tensor& x, const at::Tensor& values, co
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int64_t count = std::min<int64_t>(4, m - r0);
         const float* row_sums = sums.data() + r0 * w.groups;
-        if (w.bits == 4)
-          gemv_rows<4>(w, p, a + r0 * lda, lda, row_sums, count, result);
-        else if (w.bits == 6)
-          gemv_rows<6>(w, p, a + r0 * lda, lda, row_sums, count, result);
-        else
-          gemv_rows<8>(w, p, a + r0 * lda, lda, row_sums, count, result);
+        pagedllm::with_bits(w.bits, [&](auto bits) {
+          gemv_rows<decltype(bits)::value>(w, p, a + r0 * lda, lda, row_sums, count, result);
+        });
         const int64_t columns = std::min<int64_t>(kPanel, n - p * kPanel);
         for (int64_t r = 0; r < count; ++r)
           for (int64_t c = 0; c < columns; ++c) {

@@ -50,10 +50,13 @@ void dequantize_panel(const Weights& w, int64_t p, float* dst, int64_t ldb) {
     }
     for (int h = 0; h < Lanes::halves; ++h) {
       const Lanes::I v = Lanes::load(Weights::load_at(panel, w.bits, l) + h * kLanes * 4);
-      const Lanes::I high = w.bits == 6 ? Lanes::load(Weights::high_at(panel, l) + h * kLanes * 4) : v;
+      const Lanes::I high =
+          pagedllm::has_high_bits(w.bits) ? Lanes::load(Weights::high_at(panel, w.bits, l) + h * kLanes * 4) : v;
       for (int e = 0; e < per_load; ++e) {
         Lanes::I u = Lanes::band(Lanes::shr(v, (bytes ? 8 : 4) * e), mask);
-        if (w.bits == 6) u = pagedllm::with_high_bits(u, high, static_cast<int>(l % 2), e, 0x30);
+        if (pagedllm::has_high_bits(w.bits))
+          u = pagedllm::with_high_bits(u, high, static_cast<int>(w.bits),
+                                       static_cast<int>(l % pagedllm::unit_loads(w.bits)), e, 0x30);
         Lanes::store(dst + (l * per_load + input[e]) * ldb + h * kLanes,
                      Lanes::fma(Lanes::cvt(u), scale[h], offset[h]));
       }

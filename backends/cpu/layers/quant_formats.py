@@ -1,8 +1,8 @@
 """Block-quantized weights in the one layout the quantized kernels read (csrc/quantized_linear.cpp): every weight is
-``scale * u + offset``, ``u`` an unsigned 4-bit, 6-bit or 8-bit value, with a float32 scale and offset per group of
-16 or 32 inputs of an output row. GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks repack into it without loss (the
-values they dequantize to are the same floats; Q5_K's and Q6_K's values take 6 bits), and weights quantized at load
-(q8_0, q4_0, int8) are made in it.
+``scale * u + offset``, ``u`` an unsigned 4-bit, 5-bit, 6-bit or 8-bit value, with a float32 scale and offset per
+group of 16 or 32 inputs of an output row. GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks repack into it without
+loss (the values they dequantize to are the same floats), and weights quantized at load (q8_0, q4_0, int8) are made
+in it.
 
 ``dequantize`` is the pure torch reference the kernels are tested against.
 """
@@ -15,8 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Inputs per packed chunk. 4 bits: 16 bytes, byte i holding input i (low nibble) and input i + 16 (high). 6 bits:
-# the low nibbles as a 4-bit chunk, then 8 bytes of the high 2 bits, byte b holding inputs 4b .. 4b + 3 (bits 2t).
+# Inputs per packed chunk. 4 bits: 16 bytes, byte i holding input i (low nibble) and input i + 16 (high). 5 and 6
+# bits: the low nibbles as a 4-bit chunk, then the high bits, bits - 4 of them per input: 4 or 8 bytes, byte b
+# holding inputs from 8b or 4b on, input t of a byte at bit t * (bits - 4).
 CHUNK = 32
 GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 QUANTIZE_FORMATS = ("q8_0", "q4_0", "int8")
@@ -102,7 +103,9 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
                            torch.cat([w.multipliers for w in same]) if factored else None)
 
 
-_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)  # a 6-bit chunk's high bits, 4 inputs per byte
+def _high_shifts(bits: int) -> torch.Tensor:
+    """Where a 5-bit or 6-bit chunk's high bits sit in their bytes, by input."""
+    return torch.arange(0, 8, bits - 4, dtype=torch.uint8)
 
 
 def unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,7 +118,7 @@ def unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
     low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
     if bits == 4:
         return low.reshape(rows, -1)
-    high = (chunks[..., CHUNK // 2:, None] >> _HIGH_SHIFTS) & 0x03
+    high = (chunks[..., CHUNK // 2:, None] >> _high_shifts(bits)) & ((1 << (bits - 4)) - 1)
     return (low | (high.reshape(low.shape) << 4)).reshape(rows, -1)
 
 
@@ -125,8 +128,9 @@ def pack_values(u: torch.Tensor, bits: int) -> torch.Tensor:
         return u.to(torch.uint8).contiguous()
     chunks = u.to(torch.uint8).reshape(u.shape[0], -1, CHUNK)
     packed = chunks[..., :CHUNK // 2] & 0x0F | ((chunks[..., CHUNK // 2:] & 0x0F) << 4)
-    if bits == 6:
-        high = (chunks >> 4).reshape(*chunks.shape[:2], CHUNK // 4, 4) << _HIGH_SHIFTS
+    if bits in (5, 6):
+        shifts = _high_shifts(bits)
+        high = (chunks >> 4).reshape(*chunks.shape[:2], -1, len(shifts)) << shifts
         packed = torch.cat([packed, high.sum(-1, dtype=torch.uint8)], dim=-1)
     return packed.reshape(u.shape[0], -1).contiguous()
 
@@ -141,9 +145,9 @@ def _weight(values: np.ndarray, scales: np.ndarray, offsets: np.ndarray, rows: i
                            torch.from_numpy(multipliers.astype(np.float32)).reshape(rows, -1, 2))
 
 
-def _packed_6bit(u: np.ndarray, rows: int) -> np.ndarray:
-    """Q5_K's and Q6_K's values (each below 64) packed as ``pack_values`` packs 6 bits."""
-    return pack_values(torch.from_numpy(np.ascontiguousarray(u)).reshape(rows, -1), 6).numpy()
+def _packed(u: np.ndarray, rows: int, bits: int) -> np.ndarray:
+    """Q5_K's or Q6_K's values (each below 2 ** bits) packed as ``pack_values`` packs them."""
+    return pack_values(torch.from_numpy(np.ascontiguousarray(u)).reshape(rows, -1), bits).numpy()
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -217,7 +221,7 @@ def _from_blocks(blocks: np.ndarray, type_name: str) -> QuantizedWeight:
         u = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
         qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         u = u.reshape(-1, 8, 32) | ((qh & 1) << 4)
-        return _weight(_packed_6bit(u, rows), d * scale, -(dmin * minimum), rows, 6, 32, type_name, multipliers)
+        return _weight(_packed(u, rows, 5), d * scale, -(dmin * minimum), rows, 5, 32, type_name, multipliers)
     # Q6_K: 6-bit values, signed around 32, with an int8 scale per 16 inputs.
     b = blocks.reshape(-1, 210)
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _half(b[:, 208:210])
@@ -225,7 +229,7 @@ def _from_blocks(blocks: np.ndarray, type_name: str) -> QuantizedWeight:
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     u = low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)
     scale = d * scales.copy().view(np.int8).astype(np.float32)
-    return _weight(_packed_6bit(u, rows), scale, -32 * scale, rows, 6, 16, type_name, np.concatenate([d, d], axis=-1))
+    return _weight(_packed(u, rows, 6), scale, -32 * scale, rows, 6, 16, type_name, np.concatenate([d, d], axis=-1))
 
 
 # Rows quantized per pass: the float32 temporaries are a few times this many rows, not the whole weight's (a Llama-3
@@ -321,21 +325,29 @@ def _lanes_8bit(u: torch.Tensor, count: int, k: int) -> torch.Tensor:
 
 
 _NIBBLE_OF_INPUT = (0, 4, 1, 5, 2, 6, 3, 7)  # which nibble of a 4-bit lane holds each of its 8 inputs
-# 6 bits: where the high 2 bits of input e of load j of a unit start in the unit's 32-bit word of them
-# (quantized_weights.h's high_bit)
-_HIGH_BITS = torch.tensor([[8 * (n // 2) + 4 * (1 - j) + 2 * (n % 2) for n in _NIBBLE_OF_INPUT] for j in (0, 1)])
 
 
-def _lanes_6bit(u: torch.Tensor, count: int, k: int) -> torch.Tensor:
-    """Panels' bytes of 6-bit values u [count * 16, k]: per 16 inputs, the low nibbles of inputs 0-7 and of 8-15 as
-    two 4-bit loads, then a 32-bit word per column of their high 2 bits."""
-    low = _lanes_4bit(u & 0x0F, count, k).reshape(count, k // 16, 2 * 64)
-    high = (u >> 4).to(torch.int64).reshape(count, PANEL, k // 16, 2, 8) << _HIGH_BITS
+def _high_bit(bits: int, j: int, n: int) -> int:
+    """5 and 6 bits: where the high bits of nibble n of load j of a unit start in the unit's 32-bit word of them
+    (quantized_weights.h's high_bit)."""
+    return 8 * (n // 2) + (4 * (1 - j) + 2 * (n % 2) if bits == 6 else 2 * j + n % 2)
+
+
+def _lanes_with_high_bits(u: torch.Tensor, count: int, k: int, bits: int) -> torch.Tensor:
+    """Panels' bytes of 5-bit or 6-bit values u [count * 16, k]: per unit of 32 or 16 inputs, the low nibbles of each
+    8 inputs as a 4-bit load, then a 32-bit word per column of their high bits."""
+    loads = {5: 4, 6: 2}[bits]  # per unit
+    shifts = torch.tensor([[_high_bit(bits, j, n) for n in _NIBBLE_OF_INPUT] for j in range(loads)])
+    low = _lanes_4bit(u & 0x0F, count, k).reshape(count, k // (8 * loads), loads * 64)
+    high = (u >> 4).to(torch.int64).reshape(count, PANEL, k // (8 * loads), loads, 8) << shifts
     words = high.sum((-1, -2)).transpose(1, 2).to(torch.int32).contiguous().view(torch.uint8)
     return torch.cat([low, words], dim=-1).reshape(count, -1)
 
 
-_LANES = {4: _lanes_4bit, 6: _lanes_6bit, 8: _lanes_8bit}
+def _lanes(u: torch.Tensor, count: int, k: int, bits: int) -> torch.Tensor:
+    if bits in (5, 6):
+        return _lanes_with_high_bits(u, count, k, bits)
+    return _lanes_4bit(u, count, k) if bits == 4 else _lanes_8bit(u, count, k)
 
 
 def to_panels(weight: QuantizedWeight) -> PanelWeight:
@@ -362,7 +374,7 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
         u = unpack_values(weight.values[rows], bits)
         if padding:
             u = F.pad(u, (0, 0, 0, padding))
-        values[first:first + count] = _LANES[bits](u, count, k)
+        values[first:first + count] = _lanes(u, count, k, bits)
         scale, offset = (F.pad(t[rows], (0, 0, 0, padding)) for t in (weight.scales, weight.offsets))
         scales[first:first + count] = scale.reshape(count, PANEL, groups).transpose(1, 2)
         offsets[first:first + count] = offset.reshape(count, PANEL, groups).transpose(1, 2)

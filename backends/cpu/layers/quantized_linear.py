@@ -20,9 +20,9 @@ QUANTIZED_WEIGHT = "quantized_weight"
 SMALL_ROWS = 16
 # bf16 models: up to this many rows (by bits per value) each panel's values are dotted with every row as they stream
 # by (a decode step's few rows); above, bf16 tiles for brgemm, whose matrix units win from there on (see
-# benchmarks/quantized_linear.py; 8-bit values take twice the dot products, 6-bit ones as many as 4-bit ones). The
-# int8 path runs up to 4 rows.
-GEMV_ROWS = {4: 4, 6: 4, 8: 2}
+# benchmarks/quantized_linear.py; 8-bit values take twice the dot products, 5-bit and 6-bit ones as many as 4-bit
+# ones). The int8 path runs up to 4 rows.
+GEMV_ROWS = {4: 4, 5: 4, 6: 4, 8: 2}
 INT8_ROWS = 4
 
 
