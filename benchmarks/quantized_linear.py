@@ -61,8 +61,8 @@ def main() -> None:
         dense[0].weight.data.copy_(weight)
         use_packed_linears(dense, kernels)
         for fmt in args.formats.split(","):
-            q = quantize(weight, fmt)
-            quantized = (*to_panels(q).arguments, None)
+            panels = to_panels(quantize(weight, fmt))
+            quantized = (*panels.arguments, None)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k).to(dtype)
                 repeat = max(1, int(4e8 / (2 * m * n * k + n * k * 8)))
@@ -83,7 +83,7 @@ def main() -> None:
                 tiles = "bf16" if dtype == torch.bfloat16 else "tiles_f32"
                 row = {"shape": name, "format": fmt, "rows": m, "dense_ms": round(times["dense"] * 1e3, 3),
                        **{f"{p}_vs_dense": round(times["dense"] / t, 3) for p, t in times.items() if p != "dense"},
-                       f"{tiles}_weight_GBps": round(q.nbytes / times[tiles] / 1e9, 1)}
+                       f"{tiles}_weight_GBps": round(panels.nbytes / times[tiles] / 1e9, 1)}
                 results.append(row)
                 print(json.dumps(row), flush=True)
 

@@ -145,7 +145,7 @@ void integer_panel(const Weights& w, int64_t p, const IntegerActivations<T>& act
       for (int h = 0; h < H; ++h)
         for (int c = 0; c < C; ++c) dot[r][h][c] = Lanes::zeroi();
     // load l's sums; J: which load of its unit it is
-    const auto load_sums = [&](int64_t l, auto unit_load) {
+    const auto load_sums = [&](int64_t l, auto unit_load) PAGEDLLM_INLINE {
       constexpr int J = decltype(unit_load)::value;
       Weights::prefetch_ahead(panel, Bits, l);
       const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, Bits, l);

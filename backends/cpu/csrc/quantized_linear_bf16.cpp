@@ -113,7 +113,7 @@ void gemv_panel(const Weights& w, int64_t p, const at::BFloat16* x, int64_t lda,
     __m512 a[R], b[R];  // two sums per row: alternate pairs (4 bits), low and high nibbles (8 bits)
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
     // load l's products; J: which load of its unit it is
-    const auto load_products = [&](int64_t l, auto unit_load) {
+    const auto load_products = [&](int64_t l, auto unit_load) PAGEDLLM_INLINE {
       constexpr int J = decltype(unit_load)::value;
       Weights::prefetch_ahead(panel, Bits, l);
       const uint8_t* at = Weights::load_at(panel, Bits, l), *highs = Weights::high_at(panel, Bits, l);

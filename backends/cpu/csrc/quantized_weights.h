@@ -74,14 +74,18 @@ inline void with_bits(int64_t bits, const F& f) {
   }
 }
 
+// The kernels' per-load bodies are inlined whatever their size: called out of line, they would read and write the
+// accumulators they share through memory.
+#define PAGEDLLM_INLINE __attribute__((always_inline))
+
 template <typename F, int... J>
-inline void loads_of_units(int64_t begin, int64_t end, const F& f, std::integer_sequence<int, J...>) {
+PAGEDLLM_INLINE inline void loads_of_units(int64_t begin, int64_t end, const F& f, std::integer_sequence<int, J...>) {
   for (int64_t l = begin; l < end; l += sizeof...(J)) (f(l + J, std::integral_constant<int, J>{}), ...);
 }
 // f(l, j) for loads begin..end of Bits-bit values, j (a compile-time constant) the load's place in its unit (0
 // without high bits), so that kernels compiled per width fold where its high bits lie.
 template <int Bits, typename F>
-inline void for_each_load(int64_t begin, int64_t end, const F& f) {
+PAGEDLLM_INLINE inline void for_each_load(int64_t begin, int64_t end, const F& f) {
   loads_of_units(begin, end, f, std::make_integer_sequence<int, has_high_bits(Bits) ? unit_loads(Bits) : 1>{});
 }
 

@@ -292,6 +292,11 @@ class PanelWeight:
         return self.values.shape[1] * 8 // self.bits // PANEL
 
     @property
+    def nbytes(self) -> int:
+        """The bytes it holds: values, scales, offsets and multipliers."""
+        return sum(t.nbytes for t in (self.values, self.scales, self.offsets, self.multipliers))
+
+    @property
     def layout(self) -> tuple:
         """The weight's first arguments of every quantized kernel."""
         return self.values, self.scales, self.offsets, self.multipliers, self.bits, self.group, self.zero
