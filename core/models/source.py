@@ -202,17 +202,22 @@ def _gguf_file_of_type(repo_id: str, quant_type: str, revision: str | None, down
 
 
 def _repository_ggufs(repo_id: str, revision: str | None, download_dir: str | None) -> list[str]:
-    """The repository's .gguf files: listed by the Hub, or, offline, those of its snapshot in the cache."""
+    """The repository's .gguf files: listed by the Hub, or, offline or without a connection, those of its snapshot
+    in the cache (as hf_hub_download falls back to it)."""
+    import httpx
     import huggingface_hub
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:
-        snapshot = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
-                                                           local_files_only=True))
-        names = [path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*") if path.is_file()]
-    else:
-        names = huggingface_hub.list_repo_files(repo_id, revision=revision)
-    return sorted(name for name in names if name.lower().endswith(".gguf"))
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return sorted(name for name in huggingface_hub.list_repo_files(repo_id, revision=revision)
+                          if name.lower().endswith(".gguf"))
+        except httpx.TransportError as exc:
+            logger.warning("cannot list %s on the Hugging Face Hub (%s): looking in the cache", repo_id, exc)
+    snapshot = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
+                                                       local_files_only=True))
+    return sorted(path.relative_to(snapshot).as_posix() for path in snapshot.rglob("*")
+                  if path.is_file() and path.name.lower().endswith(".gguf"))
 
 
 def _converted(gguf: Path) -> tuple[Path, Path]:

@@ -81,6 +81,28 @@ def test_a_gguf_file_of_a_repository_by_quantization_type(tmp_path):
         resolve("org/missing:Q4_K_M")
 
 
+def test_a_quantization_type_without_a_connection_is_found_in_the_cache(tmp_path, monkeypatch):
+    """Online but unable to reach the Hub: the cached snapshot's files, as hf_hub_download falls back to them."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from pagedllm.models import source as source_module
+
+    repo = hub_cache(tmp_path, "org/gguf", [])
+    (repo / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+
+    def unreachable(*args, **kwargs):
+        raise httpx.ConnectError("no route to the Hub")
+
+    download = huggingface_hub.hf_hub_download
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", unreachable)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *args, **kwargs: download(*args, **kwargs, local_files_only=True))
+    assert source_module._local_path("org/gguf:Q4_K_M", None, str(tmp_path), "model") == repo / "model-Q4_K_M.gguf"
+
+
 def test_llm_by_hub_id_and_quantization_type_runs_that_file(tmp_path):
     """The default model's file in a Hub cache (a link to the blob, as huggingface_hub keeps files), named
     ``org/name:Q4_1``: the same greedy tokens as by its path."""
