@@ -41,9 +41,9 @@ def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | Non
     for name in list(linears):  # names only: a whole layer once sharded is referenced nowhere
         linear = linears[name]
         # the LM head is q8_0 for the block formats (llama.cpp keeps the output layer at higher precision); int8's
-        # is int8 too, unlike vLLM's W8A8: a 1B model's head is a quarter of a batch's decode step
+        # is int8 too, unlike vLLM's W8A8: in a batch's decode step the head weighs as much as several layers
         fmt = "q8_0" if linear is head and mode != "int8" else mode
-        if fmt is not None and not linear.in_features % 32:
+        if not linear.in_features % 32:
             if linear is head and rank is not None:
                 start, end, _ = vocab_slice(head.out_features, rank)
                 rows = quantize(head.weight[start:end].to(dtype or head.weight.dtype), fmt)
