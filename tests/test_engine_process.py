@@ -4,8 +4,11 @@ ends the sequence in the core at once; refusals and the core's death reach the c
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +124,17 @@ def test_a_request_id_can_be_reused_right_after_its_abort(llms):
             if output.finished:
                 finals[output.request_id] = output
     assert finals["again"].outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_only_processes_pagedllm_owns_freeze_their_startup_heap(llms):
+    """The core process (and the server's, and tensor-parallel ranks) freeze what start-up made, garbage collected
+    first; an engine in the caller's process leaves the caller's heap alone (what is frozen is never freed)."""
+    assert gc.get_freeze_count() == 0  # this process holds an in-process engine, and started a core process
+    code = ("import gc, weakref\n"
+            "from pagedllm.utils import freeze_startup_heap\n"
+            "class Node: pass\n"
+            "cycle = Node(); cycle.self = cycle; dropped = weakref.ref(cycle); del cycle\n"
+            "freeze_startup_heap()\n"
+            "print(dropped() is None, gc.get_freeze_count() > 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["True", "True"], result.stderr

@@ -48,6 +48,7 @@ from pagedllm.engine.stats import StatsLogger
 from pagedllm.errors import client_message
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
+from pagedllm.utils import freeze_startup_heap
 
 logger = logging.getLogger("pagedllm.engine.core")
 
@@ -312,6 +313,7 @@ def main(input_address: str, output_address: str) -> int:
         channel.send(Failed(error_type(exc), str(exc)))
         status = 1
     else:
+        freeze_startup_heap()
         channel.send(ready_message(engine))
         status = _serve(engine, channel)
     context.destroy(linger=1000)  # let the last messages (Dead, Failed) reach the front end

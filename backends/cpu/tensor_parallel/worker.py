@@ -31,7 +31,7 @@ from pagedllm.backends.cpu.runner.sharding import Rank, parameter_bytes
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.backends.cpu.tensor_parallel import wire
 from pagedllm.logger import configure_logging
-from pagedllm.utils import skip_unused_sklearn_import
+from pagedllm.utils import freeze_startup_heap, skip_unused_sklearn_import
 
 logger = logging.getLogger("pagedllm.cpu")
 # Collectives inside a step wait only for the other ranks' share of the same work; this bounds a rank that is
@@ -137,6 +137,7 @@ def main(argv: list[str]) -> int:
     try:
         worker = Worker(spec)
         worker.load()
+        freeze_startup_heap()
         worker.serve()
     except EOFError:  # the engine's end of the pipe closed: it is gone
         return 1

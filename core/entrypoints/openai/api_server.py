@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.serving import ServingContext, system_fingerpri
 from pagedllm.errors import ConfigError, QueueFullError
 from pagedllm.models.generation_defaults import generation_defaults
 from pagedllm.models.source import load_tokenizer
+from pagedllm.utils import freeze_startup_heap
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
@@ -247,6 +248,7 @@ def run_server(args: argparse.Namespace) -> int:
             logger.warning("listening on %s without an API key: anyone who can reach this port can use the model; "
                            "pass --api-key (or PAGEDLLM_API_KEY) unless a proxy in front checks who calls",
                            config.host)
+        freeze_startup_heap()
         server.run()
     finally:
         engine.shutdown()
