@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 
 
@@ -45,3 +46,4 @@ def freeze_startup_heap() -> None:
     hence not for ``LLM`` in a caller's process, where engines come and go."""
     gc.collect()
     gc.freeze()
+    logging.getLogger("pagedllm").debug("start-up heap frozen: %d objects", gc.get_freeze_count())

@@ -19,9 +19,9 @@ def server_args(tiny_llama_dir) -> list[str]:
     return [str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-space", "0.01"]
 
 
-def start_streaming(start_server, tiny_llama_dir, max_tokens: int, *flags: str):
+def start_streaming(start_server, tiny_llama_dir, max_tokens: int, *flags: str, env: dict[str, str] | None = None):
     """A server, its engine core's pid, and a streamed completion of which the first chunk has arrived."""
-    server = start_server(*server_args(tiny_llama_dir), *flags)
+    server = start_server(*server_args(tiny_llama_dir), *flags, env=env)
     [core] = server.children()
     api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = api.completions.create(model="llama", prompt="Paris", max_tokens=max_tokens, stream=True,
@@ -54,7 +54,10 @@ def test_the_core_dying_fails_open_requests_then_the_server_exits_1(start_server
 
 
 def test_sigterm_stops_both_processes(start_server, tiny_llama_dir):
-    server, core, _, stream, chunks = start_streaming(start_server, tiny_llama_dir, 100)
+    """Both froze their start-up heap (what a stop would otherwise wait seconds to collect)."""
+    server, core, _, stream, chunks = start_streaming(start_server, tiny_llama_dir, 100,
+                                                      env={"PAGEDLLM_LOGGING_LEVEL": "DEBUG"})
+    assert server.log().count("start-up heap frozen") == 2, server.log()
     server.proc.send_signal(signal.SIGTERM)
     chunks += list(stream)
     assert chunks[-1].choices[0].finish_reason == "length"
