@@ -127,8 +127,9 @@ def test_a_request_id_can_be_reused_right_after_its_abort(llms):
 
 
 def test_only_processes_pagedllm_owns_freeze_their_startup_heap(llms):
-    """The core process (and the server's, and tensor-parallel ranks) freeze what start-up made, garbage collected
-    first; an engine in the caller's process leaves the caller's heap alone (what is frozen is never freed)."""
+    """freeze_startup_heap collects the garbage before it freezes the rest (that the server and its core call it:
+    test_engine_process_server.py); an engine in the caller's process leaves its heap alone (what is frozen is never
+    freed)."""
     assert gc.get_freeze_count() == 0  # this process holds an in-process engine, and started a core process
     code = ("import gc, weakref\n"
             "from pagedllm.utils import freeze_startup_heap\n"
