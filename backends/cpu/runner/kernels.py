@@ -59,7 +59,9 @@ def load_kernels(mode: str = "auto", level: str | None = None):
     level = level or kernel_level()
     build = "avx512_bf16" if level == "amx" else level
     key = build_key(level)
-    build_dir = cache_dir() / "kernels" / f"{build}-{key}"
+    # resolved: torch builds a module again whenever its build folder's name changes in a process, and a test's own
+    # cache folder links to the shared kernels
+    build_dir = (cache_dir() / "kernels").resolve() / f"{build}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
