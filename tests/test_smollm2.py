@@ -131,11 +131,13 @@ def k_quant_file(source, tmp_path_factory):
     return path, down
 
 
-def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts, monkeypatch, tmp_path):
+def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts, monkeypatch, isolated_cache_dir):
     """A Q4_K_M-style file's K-quants run as they are (Q5_K values in 5 bits, Q6_K in 6, the file's super-block
-    scales factored): transformers on the same weights, token for token, with chunked prefill and prefix caching."""
+    scales factored): transformers on the same weights, token for token, with chunked prefill and prefix caching;
+    and so does a second start, which reads the panels the first kept (runner/panel_cache.py)."""
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.backends.cpu.layers import quant_formats, quantized_linear
     from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
 
     path, down = k_quant_file
@@ -145,7 +147,7 @@ def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts
             layer.mlp.down_proj.weight.copy_(down[index])
     expected = greedy_generate(ref, prompts, 16)
 
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(isolated_cache_dir))
     llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_space=0.5, enable_prefix_caching=True,
               max_num_batched_tokens=24, max_num_seqs=4)
     layers = [m for m in llm.engine.backend.runner.model.modules() if isinstance(m, QuantizedLinear)]
@@ -153,6 +155,16 @@ def test_k_quant_blocks_equal_transformers_float32(source, k_quant_file, prompts
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for _ in range(2):  # the second run from the prefix cache
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    llm.shutdown()
+
+    def placeholders_only(weight):
+        assert weight.values.is_meta, "a weight was converted: its panels were in the cache"
+        return quant_formats.to_panels(weight)
+
+    monkeypatch.setattr(quantized_linear, "to_panels", placeholders_only)  # a later start reads the panels kept
+    llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_space=0.5)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     llm.shutdown()
 
 

@@ -10,6 +10,7 @@ in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -69,6 +70,16 @@ class QuantizedWeight:
         return dataclasses.replace(self, values=take(self.values), scales=take(self.scales), offsets=take(self.offsets),
                                    multipliers=take(self.multipliers))
 
+    def placeholder(self, rows: int) -> QuantizedWeight:
+        """This weight's layout for ``rows`` output rows in meta tensors, for a weight whose panels come from the
+        panel cache (runner/panel_cache.py): a row or two converted tells the layout, and fusing and sharding carry
+        the shapes along."""
+        def meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else torch.empty(rows, *tensor.shape[1:], dtype=tensor.dtype, device="meta")
+
+        return dataclasses.replace(self, values=meta(self.values), scales=meta(self.scales),
+                                   offsets=meta(self.offsets), multipliers=meta(self.multipliers))
+
     def columns(self, start: int, end: int) -> QuantizedWeight:
         """Inputs start..end (whole chunks and groups: a row-parallel rank's share)."""
         if start % CHUNK or end % CHUNK:
@@ -103,9 +114,10 @@ def concatenate(weights: list[QuantizedWeight]) -> QuantizedWeight:
                            torch.cat([w.multipliers for w in same]) if factored else None)
 
 
-def _high_shifts(bits: int) -> torch.Tensor:
-    """Where a 5-bit or 6-bit chunk's high bits sit in their bytes, by input."""
-    return torch.arange(0, 8, bits - 4, dtype=torch.uint8)
+def _high_shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """Where a 5-bit or 6-bit chunk's high bits sit in their bytes, by input (on the values' device: placeholders'
+    are meta)."""
+    return torch.arange(0, 8, bits - 4, dtype=torch.uint8, device=device)
 
 
 def unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -118,7 +130,7 @@ def unpack_values(values: torch.Tensor, bits: int) -> torch.Tensor:
     low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)
     if bits == 4:
         return low.reshape(rows, -1)
-    high = (chunks[..., CHUNK // 2:, None] >> _high_shifts(bits)) & ((1 << (bits - 4)) - 1)
+    high = (chunks[..., CHUNK // 2:, None] >> _high_shifts(bits, values.device)) & ((1 << (bits - 4)) - 1)
     return (low | (high.reshape(low.shape) << 4)).reshape(rows, -1)
 
 
@@ -129,7 +141,7 @@ def pack_values(u: torch.Tensor, bits: int) -> torch.Tensor:
     chunks = u.to(torch.uint8).reshape(u.shape[0], -1, CHUNK)
     packed = chunks[..., :CHUNK // 2] & 0x0F | ((chunks[..., CHUNK // 2:] & 0x0F) << 4)
     if bits in (5, 6):
-        shifts = _high_shifts(bits)
+        shifts = _high_shifts(bits, u.device)
         high = (chunks >> 4).reshape(*chunks.shape[:2], -1, len(shifts)) << shifts
         packed = torch.cat([packed, high.sum(-1, dtype=torch.uint8)], dim=-1)
     return packed.reshape(u.shape[0], -1).contiguous()
@@ -169,8 +181,10 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 PIECE_BYTES = 512 << 10
 
 
-def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> QuantizedWeight:
-    """A GGUF tensor's blocks ([rows, bytes per row] uint8, as open_gguf gives them) in the kernels' layout."""
+def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int,
+              placeholder: bool = False) -> QuantizedWeight:
+    """A GGUF tensor's blocks ([rows, bytes per row] uint8, as open_gguf gives them) in the kernels' layout; with
+    ``placeholder``, its layout alone (QuantizedWeight.placeholder), only the first row's blocks read."""
     if type_name not in GGUF_FORMATS:
         raise ValueError(f"GGUF type {type_name} is not one the quantized kernels run ({', '.join(GGUF_FORMATS)})")
     size, inputs = _BLOCKS[type_name]
@@ -179,6 +193,8 @@ def from_gguf(raw: np.ndarray, type_name: str, rows: int, in_features: int) -> Q
                          f"({rows * in_features // inputs * size} bytes in whole blocks of {inputs}): the file is "
                          "truncated or damaged")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1)
+    if placeholder:
+        return _from_blocks(blocks[:1], type_name).placeholder(rows)
     step = max(1, PIECE_BYTES // blocks.shape[1])
     first = _from_blocks(blocks[:step], type_name)
     if step >= rows:
@@ -360,6 +376,10 @@ def to_panels(weight: QuantizedWeight) -> PanelWeight:
     (PIECE_BYTES), scales and offsets too, so that an LM head's conversion holds little more than its result."""
     n, k, bits = weight.out_features, weight.in_features, weight.bits
     panels, groups = -(-n // PANEL), weight.scales.shape[1]
+    if weight.values.is_meta:  # a placeholder: the panel cache gives the layer its panels once the model is packed
+        meta = functools.partial(torch.empty, device="meta")
+        return PanelWeight(meta(panels, k * PANEL * bits // 8, dtype=torch.uint8), meta(panels, groups, PANEL),
+                           meta(panels, groups, PANEL), meta(0), bits, weight.group, 0, weight.format, n)
     values = torch.empty(panels, k * PANEL * bits // 8, dtype=torch.uint8)
     scales, offsets = torch.empty(panels, groups, PANEL), torch.empty(panels, groups, PANEL)
     # symmetric formats (Q4_0: 8, Q8_0 and int8: 128, Q6_K: 32) need no offsets; GGUF's float16 scales half the bytes

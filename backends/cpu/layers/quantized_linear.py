@@ -83,10 +83,14 @@ class QuantizedLinear(torch.nn.Module):
         self.activation_bits = 8 if self.int8_activations else 16
         # bf16 models: rows up to this many take the streaming kernel, more the bf16 tiles
         self.few_rows = INT8_ROWS if self.int8_activations else GEMV_ROWS[self.bits]
-        self.nbytes = panels.nbytes
         self.float_output = False
         self.kernel_only = kernel_only
         self._kernels = kernels
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its weight holds (as PanelWeight.nbytes)."""
+        return sum(t.nbytes for t in (self.values, self.scales, self.offsets, self.multipliers))
 
     @property
     def path(self) -> str:

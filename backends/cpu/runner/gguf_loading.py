@@ -27,13 +27,14 @@ logger = logging.getLogger("pagedllm.cpu")
 
 
 def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_implementation: str,
-                    embedding_from_head: bool = False, rank: Rank | None = None):
+                    embedding_from_head: bool = False, rank: Rank | None = None, placeholders: bool = False):
     """(model, {linear name: QuantizedWeight attached to it}) from the GGUF file, with the config (and
     generation config) of ``config_dir``. With ``embedding_from_head``, a plain token embedding tied to a quantized
     head is left on the meta device, for quantized_embedding.embed_from_head to look up in the head's panels. A
     tensor-parallel ``rank`` reads only its own rows of the vocabulary (sharding.VocabParallelHead and
     VocabParallelEmbedding; a dense embedding's rows dequantized alone): the whole head and table are the largest
-    things a rank would otherwise hold on the way up."""
+    things a rank would otherwise hold on the way up. With ``placeholders``, the quantized weights are their layouts
+    alone (QuantizedWeight.placeholder), for the panel cache to fill."""
     from accelerate import init_empty_weights
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -66,7 +67,8 @@ def load_gguf_model(config_dir: str, gguf_file: Path, dtype: torch.dtype, attn_i
             linear = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             sliced = linear is head and rank is not None  # a rank reads its vocabulary rows of the head alone
             if linear is not None and (weight := _quantized(tensor, linear, processor, gguf_file,
-                                                            (start, end) if sliced else None)) is not None:
+                                                            (start, end) if sliced else None,
+                                                            placeholders)) is not None:
                 head_quantized = head_quantized or linear is head
                 if sliced:
                     linears.pop(head_name)
@@ -141,7 +143,7 @@ def _name_mapping(reader, model):
 
 
 def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path,
-               row_range: tuple[int, int] | None = None) -> QuantizedWeight | None:
+               row_range: tuple[int, int] | None = None, placeholder: bool = False) -> QuantizedWeight | None:
     """The tensor's blocks in the kernels' layout, rows in the Hugging Face order (the processor's permutation of
     whole rows), or None for a type or shape the kernels do not take. ``row_range``: only rows first..end (of an
     unpermuted tensor: a rank's slice of the LM head)."""
@@ -154,10 +156,10 @@ def _quantized(tensor, linear: torch.nn.Linear, processor, gguf_file: Path,
     if row_range is not None and not np.array_equal(order[first:end], np.arange(first, end)):
         raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: rows permuted where a rank reads a slice")
     try:
-        weight = from_gguf(np.asarray(tensor.data[first:end]), type_name, end - first, columns)
+        weight = from_gguf(np.asarray(tensor.data[first:end]), type_name, end - first, columns, placeholder)
     except ValueError as exc:
         raise UnsupportedModelError(f"{gguf_file}: tensor {tensor.name}: {exc}") from exc
-    if row_range is None and not np.array_equal(order, np.arange(rows)):
+    if row_range is None and not placeholder and not np.array_equal(order, np.arange(rows)):
         weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
     return weight
 

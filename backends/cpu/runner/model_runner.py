@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,9 @@ from pagedllm.backends.cpu.layers.rotary import use_fused_rotary
 from pagedllm.backends.cpu.layers.swiglu import use_fused_swiglu
 from pagedllm.backends.cpu.runner.architectures import check_supported
 from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
+from pagedllm.backends.cpu.runner import panel_cache
 from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
+from pagedllm.backends.cpu.runner.panel_cache import PanelCache, StalePanels, open_panel_cache
 from pagedllm.backends.cpu.runner.quantization import describe_quantized, quantize_linears
 from pagedllm.backends.cpu.runner.shard_loading import has_safetensors, meta_model_over_files, to_dtype
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
@@ -81,6 +84,23 @@ class ModelRunner:
         self.kv_caches: list[tuple] = []
 
     def load(self) -> ModelInfo:
+        cache = open_panel_cache(*self._weight_sources(), self.quantization, self.dtype, self.rank, self.enable_lora)
+        try:
+            return self._load(cache)
+        except StalePanels as exc:
+            logger.warning("the cached quantized panels in %s do not fit this model (%s): converting it again",
+                           cache.path, exc)
+            panel_cache.drop(cache)
+            return self._load(cache.missed())
+
+    def _weight_sources(self) -> tuple[str, list[Path]]:
+        """A name for the weights and the files they come from (the panel cache's key)."""
+        if self.quantization == "gguf":
+            return Path(self.gguf_file).stem, [Path(self.gguf_file)]
+        folder = Path(self.model_dir)
+        return folder.name, sorted(path for path in folder.iterdir() if path.is_file())
+
+    def _load(self, cache: PanelCache) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if self.batch_invariant and self.kernels is None:
@@ -98,17 +118,18 @@ class ModelRunner:
                               f"--quantization none")
         if quantization == "gguf":
             self.model, weights = load_gguf_model(self.model_dir, self.gguf_file, self.dtype,
-                                                  attention.ATTENTION_NAME, embedding_from_head=True, rank=self.rank)
+                                                  attention.ATTENTION_NAME, embedding_from_head=True, rank=self.rank,
+                                                  placeholders=cache.hit)
         elif self.rank is not None and has_safetensors(self.model_dir):
             # this rank's shard read (and quantized) out of the memory-mapped files: the whole model is never in this
             # process
             self.model = meta_model_over_files(self.model_dir, self.dtype, attention.ATTENTION_NAME)
-            weights = quantize_linears(self.model, quantization, self.dtype, self.rank)
+            weights = quantize_linears(self.model, quantization, self.dtype, self.rank, cache.hit)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=self.dtype, attn_implementation=attention.ATTENTION_NAME)
             self.model.eval()
-            weights = quantize_linears(self.model, quantization)
+            weights = quantize_linears(self.model, quantization, placeholders=cache.hit)
         logger.info("%s", describe_quantized(self.model, quantization, weights))
         del weights  # the layers hold them: kept here, every one would outlive its fused and packed forms
         if self.rank is not None:
@@ -128,6 +149,10 @@ class ModelRunner:
                         "the base GEMM, %s)", len(self.lora_targets),
                         "in the C++ kernel" if self.kernels is not None else "in torch's bmm")
         packed = use_packed_linears(self.model, self.kernels, self.batch_invariant, self.int8_activations)
+        if cache.hit:
+            panel_cache.restore(cache, self.model)
+        elif cache.path is not None:
+            panel_cache.store(cache, self.model)
         if embed_from_head(self.model, self.kernels):
             logger.info("token embedding: rows dequantized from the tied LM head's quantized weight per step (no "
                         "dense table)")

@@ -26,11 +26,12 @@ logger = logging.getLogger("pagedllm.cpu")
 
 
 def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | None = None,
-                     rank: Rank | None = None) -> dict:
+                     rank: Rank | None = None, placeholders: bool = False) -> dict:
     """Attach quantized weights made at load (q8_0, q4_0, int8) to the model's linear layers; returns them by
     layer name (none for ``none``). Weights are quantized from ``dtype`` (the model's; a tensor-parallel rank's are
     still the files' tensors). A ``rank`` shards each decoder layer once it is quantized and quantizes only its
-    vocabulary rows of the LM head, so that it never holds the whole quantized model."""
+    vocabulary rows of the LM head, so that it never holds the whole quantized model. With ``placeholders``, only
+    their layouts are made (QuantizedWeight.placeholder), for the panel cache to fill."""
     if mode == "none":
         return {}
     head = model.get_output_embeddings()
@@ -46,12 +47,12 @@ def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | Non
         if not linear.in_features % 32:
             if linear is head and rank is not None:
                 start, end, _ = vocab_slice(head.out_features, rank)
-                rows = quantize(head.weight[start:end].to(dtype or head.weight.dtype), fmt)
+                rows = _quantized(head.weight[start:end], fmt, dtype, placeholders)
                 name = name + ".linear"
                 weights[name] = use_head_slice(model, rows, rank)
                 linear = model.get_output_embeddings().linear
             else:
-                weights[name] = quantize(linear.weight.to(dtype or linear.weight.dtype), fmt)
+                weights[name] = _quantized(linear.weight, fmt, dtype, placeholders)
         if layer_shards is not None:
             for param_name, _ in linear.named_parameters():
                 layer_shards.loaded(f"{name}.{param_name}", weights, linears)
@@ -60,6 +61,12 @@ def quantize_linears(model: torch.nn.Module, mode: str, dtype: torch.dtype | Non
         if name in linears:  # not a layer LayerShards sharded (it attached theirs), nor the head's slice
             attach(linears[name], weight)
     return weights
+
+
+def _quantized(weight: torch.Tensor, fmt: str, dtype: torch.dtype | None, placeholder: bool):
+    if placeholder:  # one row tells the layout
+        return quantize(weight[:1].to(dtype or weight.dtype), fmt).placeholder(weight.shape[0])
+    return quantize(weight.to(dtype or weight.dtype), fmt)
 
 
 def describe_quantized(model: torch.nn.Module, mode: str, weights: dict) -> str:

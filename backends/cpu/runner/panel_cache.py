@@ -1,0 +1,157 @@
+"""The quantized linears' panels kept on disk between starts.
+
+Converting a GGUF file's blocks (or quantizing a float model at load) into the kernels' panels runs on one core and
+grows with the model: seconds per GB at every start. A later start with the same source files, settings and
+conversion code reads the panels back instead, as a copy from the page cache. The loaders then build each quantized
+weight as a placeholder (QuantizedWeight.placeholder), which fusing, sharding and packing carry along as shapes, and
+``restore`` fills the packed layers.
+
+One entry per source, quantization, dtype and tensor-parallel rank: a safetensors file of each quantized layer's
+panels, whose metadata holds the key it was made under. Anything else in the key (the files' sizes and times, the
+conversion code) rewrites the entry at the next start; an entry that does not fit the model is dropped and the model
+converted again. ``--quantization int8`` of a bf16 model is not cached: oneDNN keeps its weights in a packed layout of
+its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
+from pagedllm.backends.cpu.runner.sharding import Rank
+from pagedllm.models.source import cache_dir
+
+logger = logging.getLogger("pagedllm.cpu")
+
+CACHED = ("gguf", "q4_0", "q8_0")
+# The modules whose code decides what the panels hold: a change to any of them makes new entries.
+CONVERSION_CODE = tuple(f"pagedllm.backends.cpu.{name}" for name in (
+    "layers.quant_formats", "layers.quantized_linear", "layers.fused_layers", "runner.gguf_loading",
+    "runner.quantization", "runner.sharding"))
+_TENSORS = ("values", "scales", "offsets", "multipliers")
+_LAYOUT = ("bits", "group", "zero", "format", "out_features", "in_features")
+
+
+class StalePanels(Exception):
+    """A cache entry whose layers do not fit the model built for it."""
+
+
+@dataclasses.dataclass
+class PanelCache:
+    path: Path | None  # None: not cached (a quantization not in CACHED)
+    key: dict
+    hit: bool  # the entry is there under this key: the loaders make placeholders
+
+    def missed(self) -> PanelCache:
+        return dataclasses.replace(self, hit=False)
+
+
+def open_panel_cache(name: str, sources: list[Path], quantization: str, dtype: torch.dtype, rank: Rank | None,
+                     lora: bool) -> PanelCache:
+    """The entry for the model ``name`` made from ``sources`` (the GGUF file, or the folder's files) with these
+    settings."""
+    if quantization not in CACHED:
+        return PanelCache(None, {}, False)
+    dtype_name = str(dtype).removeprefix("torch.")
+    rank, world_size = (rank.rank, rank.world_size) if rank is not None else (0, 1)
+    files = [str(path.resolve()) for path in sources]
+    key = {"sources": [[name, path.stat().st_size, path.stat().st_mtime_ns] for name, path in zip(files, sources)],
+           "quantization": quantization, "dtype": dtype_name, "rank": [rank, world_size], "lora": lora,
+           "code": _code_digest(), "torch": torch.__version__}
+    where = hashlib.sha256(json.dumps([files, quantization, dtype_name, rank, world_size]).encode()).hexdigest()[:16]
+    path = cache_dir() / "panels" / f"{name}-{quantization}-{dtype_name}-{where}.safetensors"
+    return PanelCache(path, key, _stored_key(path) == key)
+
+
+def restore(cache: PanelCache, model: torch.nn.Module) -> None:
+    """Give the model's packed quantized layers (placeholders) their panels from the cache entry."""
+    from safetensors import SafetensorError, safe_open
+
+    start = time.perf_counter()
+    layers = dict(_quantized_layers(model))
+    try:
+        with safe_open(str(cache.path), framework="pt") as entry:
+            stored = json.loads(entry.metadata()["layers"])
+            if stored.keys() != layers.keys():
+                raise StalePanels(f"it holds {len(stored)} quantized layers, the model has {len(layers)}")
+            for name, layer in layers.items():
+                layout = stored[name]
+                if any(layout[field] != getattr(layer, field) for field in _LAYOUT if field != "zero"):
+                    raise StalePanels(f"layer {name} is {layout} there")
+                for field in _TENSORS:
+                    mapped = entry.get_tensor(f"{name}.{field}")
+                    if field == "values" and mapped.shape != layer.values.shape:
+                        raise StalePanels(f"layer {name}'s values are {tuple(mapped.shape)} there")
+                    # copied out of the file's mapping: the weights then live on memory huge_pages can collapse
+                    setattr(layer, field, torch.empty_like(mapped).copy_(mapped))
+                layer.zero = layout["zero"]
+    except (OSError, KeyError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
+        raise StalePanels(f"unreadable ({exc})") from exc
+    logger.info("quantized panels of %d layers read from %s in %.2f s (no conversion)", len(layers), cache.path,
+                time.perf_counter() - start)
+
+
+def store(cache: PanelCache, model: torch.nn.Module) -> None:
+    """Write the model's packed quantized layers' panels as the cache entry (replaced whole, never half written)."""
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    tensors, layouts = {}, {}
+    for name, layer in _quantized_layers(model):
+        tensors.update({f"{name}.{field}": getattr(layer, field) for field in _TENSORS})
+        layouts[name] = {field: getattr(layer, field) for field in _LAYOUT}
+    tmp = cache.path.with_name(f"{cache.path.name}.tmp{os.getpid()}")
+    try:
+        cache.path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"key": json.dumps(cache.key), "layers": json.dumps(layouts)})
+        os.replace(tmp, cache.path)
+    except OSError as exc:  # a full or read-only disk costs the next start a conversion, nothing else
+        tmp.unlink(missing_ok=True)
+        logger.warning("could not keep the quantized panels in %s for later starts: %s", cache.path, exc)
+        return
+    logger.info("quantized panels of %d layers kept in %s for later starts (%.0f MiB, %.2f s)", len(layouts),
+                cache.path, cache.path.stat().st_size / 2**20, time.perf_counter() - start)
+    _drop_orphans(cache.path.parent)
+
+
+def drop(cache: PanelCache) -> None:
+    cache.path.unlink(missing_ok=True)
+
+
+def _quantized_layers(model: torch.nn.Module):
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, QuantizedLinear))
+
+
+def _stored_key(path: Path) -> dict | None:
+    """The key an entry was made under (its header alone is read), or None."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as entry:
+            return json.loads(entry.metadata()["key"])
+    except Exception:  # missing, half written by a crashed process, or not ours: as good as absent
+        return None
+
+
+def _drop_orphans(folder: Path) -> None:
+    """Remove entries whose sources are gone (models deleted, a test's temporary folders)."""
+    for path in folder.glob("*.safetensors"):
+        key = _stored_key(path)
+        if key is not None and not all(os.path.exists(source[0]) for source in key["sources"]):
+            path.unlink(missing_ok=True)
+
+
+def _code_digest() -> str:
+    digest = hashlib.sha256()
+    for module in CONVERSION_CODE:
+        digest.update(Path(importlib.util.find_spec(module).origin).read_bytes())
+    return digest.hexdigest()[:16]
