@@ -1,5 +1,7 @@
 """ISA levels read from CPU flags, and PAGEDLLM_CPU_ISA: lower for the kernels and dtype, higher for dtype only."""
 
+from pathlib import Path
+
 import pytest
 
 from pagedllm import ConfigError
@@ -64,3 +66,24 @@ def test_each_level_has_its_own_kernel_build():
     assert ISA_FLAGS["amx"] == ISA_FLAGS["avx512_bf16"]  # AMX comes through oneDNN
     keys = {build_key(level) for level in ("generic", "avx2", "avx512", "avx512_bf16")}
     assert len(keys) == 4
+
+
+def test_a_build_under_its_key_loads_without_asking_ninja(tmp_path, monkeypatch):
+    """The key covers the sources' contents; ninja compares file times, and a fresh checkout's sources are newer than
+    any build: it would compile them all again. A library that does not load (a build cut short) is built again."""
+    import torch.utils.cpp_extension
+
+    from pagedllm.backends.cpu.runner import kernels
+
+    module, _ = kernels.load_kernels("kernel")
+    library = Path(module.__file__)
+
+    def no_ninja(**kwargs):
+        raise AssertionError("asked ninja to build what is built")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_ninja)
+    again, _ = kernels.load_kernels.__wrapped__("kernel")
+    assert Path(again.__file__) == library and hasattr(again, "quantized_linear")
+    (tmp_path / library.name).write_bytes(b"cut short")
+    assert kernels._built(library.stem, tmp_path) is None
+    assert kernels._built(library.stem, tmp_path / "absent") is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -63,6 +64,7 @@ def load_kernels(mode: str = "auto", level: str | None = None):
     # cache folder links to the shared kernels
     build_dir = (cache_dir() / "kernels").resolve() / f"{build}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    name = f"pagedllm_cpu_kernels_{build}_{key}"
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         logger.info("compiling the C++ kernels once for ISA level %s (about a minute) in %s", build, build_dir)
@@ -70,10 +72,10 @@ def load_kernels(mode: str = "auto", level: str | None = None):
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"pagedllm_cpu_kernels_{build}_{key}", sources=[str(path) for path in _SOURCES],
-                      build_directory=str(build_dir),
-                      extra_cflags=["-O3", *ISA_FLAGS[level], "-fopenmp", "-fno-math-errno"],
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = _built(name, build_dir) or load(
+            name=name, sources=[str(path) for path in _SOURCES], build_directory=str(build_dir),
+            extra_cflags=["-O3", *ISA_FLAGS[level], "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+            verbose=False)
     except Exception as exc:
         if mode == "kernel":
             raise
@@ -83,6 +85,22 @@ def load_kernels(mode: str = "auto", level: str | None = None):
         logger.info("compiled the C++ kernels in %.0f s", time.time() - start)
     return module, (f"C++ kernels built for {build} (paged attention for decodes and prompts, RMSNorm, "
                     f"SiLU-and-multiply, RoPE{', bf16 linear layers' if module.linear_bf16_available() else ''})")
+
+
+def _built(name: str, build_dir: Path):
+    """The module already built under this key (which covers the sources' contents), imported without asking ninja:
+    ninja compares file times, and a fresh checkout's sources are newer than every build, so it would compile them
+    all again. None if there is none, or it does not load (a build cut short)."""
+    library = build_dir / f"{name}.so"
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 def attention_mode() -> str:
