@@ -6,14 +6,15 @@ import os
 
 import pytest
 import torch
-from test_cpu_quantized_linear import dequantized_copy, gguf_blocks, greedy, prompts  # noqa: F401 (a fixture)
+from test_cpu_quantized_linear import (dequantized_copy, gguf_blocks, greedy, prompts,  # noqa: F401 (a fixture)
+                                       skip_without_int8_gemm)
 from tiny_models import hf_greedy
 
 from pagedllm import LLM
 from pagedllm.backends.cpu.layers import quant_formats as qf
 from pagedllm.backends.cpu.layers import quantized_linear
 from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
-from pagedllm.backends.cpu.runner import panel_cache
+from pagedllm.backends.cpu.runner import panel_cache, quantization
 from pagedllm.backends.cpu.runner.kernels import load_kernels
 
 
@@ -106,3 +107,33 @@ def test_a_second_start_converts_nothing_and_equals_transformers(tiny_llama, tmp
     save_file(tensors, str(entry), metadata=metadata)
     assert greedy(start(converts=None), prompts) == expected  # placeholders first, then the conversion
     assert greedy(start(converts=False), prompts) == expected
+
+
+def test_int8_weights_come_back_packed_again(tiny_llama, prompts, monkeypatch, isolated_cache_dir):  # noqa: F811
+    """W8A8 on a bf16 model: oneDNN's packed layout depends on the CPU, so the entry keeps the int8 values and a
+    later start packs them again; it quantizes nothing (one row per weight, for the layout) and answers alike."""
+    from pagedllm.backends.cpu.layers.int8_gemm import Int8GemmLinear
+
+    skip_without_int8_gemm()
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(isolated_cache_dir))
+
+    def start():
+        llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", max_model_len=256, kv_cache_space=0.05)
+        layers = {name: module for name, module in llm.engine.backend.runner.model.named_modules()
+                  if isinstance(module, Int8GemmLinear)}
+        assert len(layers) == 9
+        return llm, {name: layer.packed.to_dense() for name, layer in layers.items()}
+
+    first, packed = start()
+    expected = greedy(first, prompts, 6)
+
+    def one_row(weight, fmt):
+        assert weight.shape[0] == 1, "a weight was quantized: it was in the cache"
+        return qf.quantize(weight, fmt)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(quantization, "quantize", one_row)
+        second, again = start()
+    assert packed.keys() == again.keys() and all(torch.equal(packed[name], again[name]) for name in packed)
+    assert greedy(second, prompts, 6) == expected
+

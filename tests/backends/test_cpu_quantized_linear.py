@@ -376,13 +376,25 @@ def test_quantized_at_load_equals_transformers_on_the_same_weights(tiny_llama, t
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int8"])
-def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts, fmt):
+def test_two_ranks_shard_quantized_weights(tiny_llama, tmp_path, prompts, fmt, monkeypatch, isolated_cache_dir):
     """Each rank quantizes the weights out of the memory-mapped files layer by layer and keeps its shares: the whole
-    rows' int8 scales, as one process's."""
+    rows' int8 scales, as one process's. Each keeps them in a panel cache entry of its own, which a second start
+    reads: the entries are left as they were (a miss would write them again)."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(isolated_cache_dir))
     expected = hf_greedy(dequantized_copy(tiny_llama, tmp_path / fmt, fmt), prompts, 12)
-    llm = LLM(str(tiny_llama), dtype="float32", quantization=fmt, tensor_parallel_size=2, max_model_len=256,
-              kv_cache_space=0.05)
-    assert greedy(llm, prompts) == expected
+
+    def start():
+        return LLM(str(tiny_llama), dtype="float32", quantization=fmt, tensor_parallel_size=2, max_model_len=256,
+                   kv_cache_space=0.05)
+
+    def entries():
+        return {path: path.stat().st_mtime_ns for path in (isolated_cache_dir / "panels").glob("*.safetensors")}
+
+    assert greedy(start(), prompts) == expected
+    kept = entries()
+    assert len(kept) == 2
+    assert greedy(start(), prompts) == expected
+    assert entries() == kept
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])

@@ -58,13 +58,30 @@ class Int8GemmLinear(torch.nn.Module):
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.format = weight.format
         values, scales = signed_int8(weight)
-        self.packed = torch.ops.onednn.qlinear_prepack(values, None)
+        # a placeholder's (runner/panel_cache.py) come with restore_state
+        self.packed = None if values.is_meta else torch.ops.onednn.qlinear_prepack(values, None)
         self.register_buffer("weight_scales", scales)
         self.register_buffer("weight_zero_points", torch.zeros(self.out_features, dtype=torch.long))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.nbytes = values.numel() + self.weight_scales.nbytes
         self.float_output = False
         self._kernels = kernels
+
+    def cache_layout(self) -> dict:
+        """What a placeholder of this layer knows already (runner/panel_cache.py checks it against an entry)."""
+        return {"format": self.format, "out_features": self.out_features, "in_features": self.in_features}
+
+    def cache_state(self) -> tuple[dict, dict]:
+        """(tensors, other values) that make this layer: the int8 values out of oneDNN's packed layout (which
+        depends on the CPU), [in, out] there."""
+        return {"values": self.packed.to_dense().t(), "weight_scales": self.weight_scales}, {}
+
+    def restore_state(self, tensors: dict, values: dict) -> None:
+        """Take the int8 values and scales of a cache entry (this layer built from a placeholder), packed here."""
+        if tensors["values"].shape != (self.out_features, self.in_features):
+            raise ValueError(f"values of {tuple(tensors['values'].shape)}")
+        self.packed = torch.ops.onednn.qlinear_prepack(tensors["values"], None)
+        self.weight_scales = tensors["weight_scales"]
 
     def unscaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q @ W_int8.T * w_scale as [rows, out], the rows' scales s): the output is s times the first."""

@@ -16,6 +16,7 @@ import torch
 from pagedllm.backends.cpu.layers.quant_formats import PANEL, QuantizedWeight, to_panels
 
 QUANTIZED_WEIGHT = "quantized_weight"
+PANEL_TENSORS = ("values", "scales", "offsets", "multipliers")
 # float32 models: up to this many rows the streaming kernel runs; above, float32 blocks for the GEMM.
 SMALL_ROWS = 16
 # bf16 models: up to this many rows (by bits per value) each panel's values are dotted with every row as they stream
@@ -90,7 +91,24 @@ class QuantizedLinear(torch.nn.Module):
     @property
     def nbytes(self) -> int:
         """The bytes its weight holds (as PanelWeight.nbytes)."""
-        return sum(t.nbytes for t in (self.values, self.scales, self.offsets, self.multipliers))
+        return sum(getattr(self, name).nbytes for name in PANEL_TENSORS)
+
+    def cache_layout(self) -> dict:
+        """What a placeholder of this layer knows already (runner/panel_cache.py checks it against an entry)."""
+        return {"format": self.format, "out_features": self.out_features, "in_features": self.in_features,
+                "bits": self.bits, "group": self.group}
+
+    def cache_state(self) -> tuple[dict, dict]:
+        """(tensors, other values) that make this layer, for the panel cache to keep."""
+        return {name: getattr(self, name) for name in PANEL_TENSORS}, {"zero": self.zero}
+
+    def restore_state(self, tensors: dict, values: dict) -> None:
+        """Take the panels of a cache entry (this layer built from a placeholder)."""
+        if tensors["values"].shape != self.values.shape:
+            raise ValueError(f"values of {tuple(tensors['values'].shape)}, not {tuple(self.values.shape)}")
+        for name in PANEL_TENSORS:
+            setattr(self, name, tensors[name])
+        self.zero = values["zero"]
 
     @property
     def path(self) -> str:

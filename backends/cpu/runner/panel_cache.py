@@ -1,16 +1,16 @@
-"""The quantized linears' panels kept on disk between starts.
+"""The quantized linears' weights, as the layers hold them, kept on disk between starts.
 
 Converting a GGUF file's blocks (or quantizing a float model at load) into the kernels' panels runs on one core and
 grows with the model: seconds per GB at every start. A later start with the same source files, settings and
-conversion code reads the panels back instead, as a copy from the page cache. The loaders then build each quantized
-weight as a placeholder (QuantizedWeight.placeholder), which fusing, sharding and packing carry along as shapes, and
-``restore`` fills the packed layers.
+conversion code reads them back instead, as a copy from the page cache. The loaders then build each quantized weight
+as a placeholder (QuantizedWeight.placeholder), which fusing, sharding and packing carry along as shapes, and
+``restore`` fills the packed layers: QuantizedLinear's panels, or Int8GemmLinear's int8 values, which oneDNN packs
+again (its packed layout depends on the CPU).
 
 One entry per source, quantization, dtype and tensor-parallel rank: a safetensors file of each quantized layer's
-panels, whose metadata holds the key it was made under. Anything else in the key (the files' sizes and times, the
+tensors, whose metadata holds the key it was made under. Anything else in the key (the files' sizes and times, the
 conversion code) rewrites the entry at the next start; an entry that does not fit the model is dropped and the model
-converted again. ``--quantization int8`` of a bf16 model is not cached: oneDNN keeps its weights in a packed layout of
-its own.
+converted again.
 """
 
 from __future__ import annotations
@@ -21,24 +21,22 @@ import importlib.util
 import json
 import logging
 import os
+import struct
 import time
 from pathlib import Path
 
 import torch
 
-from pagedllm.backends.cpu.layers.quantized_linear import QuantizedLinear
 from pagedllm.backends.cpu.runner.sharding import Rank
 from pagedllm.models.source import cache_dir
 
 logger = logging.getLogger("pagedllm.cpu")
 
-CACHED = ("gguf", "q4_0", "q8_0")
+CACHED = ("gguf", "q4_0", "q8_0", "int8")
 # The modules whose code decides what the panels hold: a change to any of them makes new entries.
 CONVERSION_CODE = tuple(f"pagedllm.backends.cpu.{name}" for name in (
-    "layers.quant_formats", "layers.quantized_linear", "layers.fused_layers", "runner.gguf_loading",
+    "layers.quant_formats", "layers.quantized_linear", "layers.int8_gemm", "layers.fused_layers", "runner.gguf_loading",
     "runner.quantization", "runner.sharding"))
-_TENSORS = ("values", "scales", "offsets", "multipliers")
-_LAYOUT = ("bits", "group", "zero", "format", "out_features", "in_features")
 
 
 class StalePanels(Exception):
@@ -73,7 +71,7 @@ def open_panel_cache(name: str, sources: list[Path], quantization: str, dtype: t
 
 
 def restore(cache: PanelCache, model: torch.nn.Module) -> None:
-    """Give the model's packed quantized layers (placeholders) their panels from the cache entry."""
+    """Give the model's packed quantized layers (built from placeholders) their panels from the cache entry."""
     from safetensors import SafetensorError, safe_open
 
     start = time.perf_counter()
@@ -84,43 +82,61 @@ def restore(cache: PanelCache, model: torch.nn.Module) -> None:
             if stored.keys() != layers.keys():
                 raise StalePanels(f"it holds {len(stored)} quantized layers, the model has {len(layers)}")
             for name, layer in layers.items():
-                layout = stored[name]
-                if any(layout[field] != getattr(layer, field) for field in _LAYOUT if field != "zero"):
-                    raise StalePanels(f"layer {name} is {layout} there")
-                for field in _TENSORS:
-                    mapped = entry.get_tensor(f"{name}.{field}")
-                    if field == "values" and mapped.shape != layer.values.shape:
-                        raise StalePanels(f"layer {name}'s values are {tuple(mapped.shape)} there")
-                    # copied out of the file's mapping: the weights then live on memory huge_pages can collapse
-                    setattr(layer, field, torch.empty_like(mapped).copy_(mapped))
-                layer.zero = layout["zero"]
+                layout, values, tensor_names = stored[name]
+                if layout != layer.cache_layout():
+                    raise StalePanels(f"layer {name} is {layout} there, {layer.cache_layout()} here")
+                # copied out of the file's mapping: the weights then live on memory huge_pages can collapse
+                tensors = {tensor: torch.empty_like(mapped).copy_(mapped) for tensor in tensor_names
+                           for mapped in [entry.get_tensor(f"{name}.{tensor}")]}
+                layer.restore_state(tensors, values)
     except (OSError, KeyError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
         raise StalePanels(f"unreadable ({exc})") from exc
-    logger.info("quantized panels of %d layers read from %s in %.2f s (no conversion)", len(layers), cache.path,
+    logger.info("quantized weights of %d layers read from %s in %.2f s (no conversion)", len(layers), cache.path,
                 time.perf_counter() - start)
 
 
 def store(cache: PanelCache, model: torch.nn.Module) -> None:
-    """Write the model's packed quantized layers' panels as the cache entry (replaced whole, never half written)."""
-    from safetensors.torch import save_file
-
+    """Write the model's packed quantized layers' tensors as the cache entry (replaced whole, never half written)."""
     start = time.perf_counter()
-    tensors, layouts = {}, {}
-    for name, layer in _quantized_layers(model):
-        tensors.update({f"{name}.{field}": getattr(layer, field) for field in _TENSORS})
-        layouts[name] = {field: getattr(layer, field) for field in _LAYOUT}
+    layers = list(_quantized_layers(model))
     tmp = cache.path.with_name(f"{cache.path.name}.tmp{os.getpid()}")
     try:
         cache.path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata={"key": json.dumps(cache.key), "layers": json.dumps(layouts)})
+        _write_safetensors(tmp, layers, {"key": json.dumps(cache.key)})
         os.replace(tmp, cache.path)
     except OSError as exc:  # a full or read-only disk costs the next start a conversion, nothing else
         tmp.unlink(missing_ok=True)
-        logger.warning("could not keep the quantized panels in %s for later starts: %s", cache.path, exc)
+        logger.warning("could not keep the quantized weights in %s for later starts: %s", cache.path, exc)
         return
-    logger.info("quantized panels of %d layers kept in %s for later starts (%.0f MiB, %.2f s)", len(layouts),
+    logger.info("quantized weights of %d layers kept in %s for later starts (%.0f MiB, %.2f s)", len(layers),
                 cache.path, cache.path.stat().st_size / 2**20, time.perf_counter() - start)
     _drop_orphans(cache.path.parent)
+
+
+_SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float32: "F32"}
+
+
+def _write_safetensors(path: Path, layers: list, metadata: dict) -> None:
+    """The layers' cache_state in safetensors' format, a layer's tensors made and written at a time: an
+    Int8GemmLinear's int8 values are a copy out of oneDNN's layout, and all of them at once would double the
+    weights' memory. The header comes first, so a first pass only notes their shapes."""
+    header, layouts, offset = {}, {}, 0
+    for name, layer in layers:
+        state, values = layer.cache_state()
+        layouts[name] = [layer.cache_layout(), values, list(state)]
+        for tensor, value in state.items():
+            header[f"{name}.{tensor}"] = {"dtype": _SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
+                                          "data_offsets": [offset, offset + value.nbytes]}
+            offset += value.nbytes
+    header["__metadata__"] = {**metadata, "layers": json.dumps(layouts)}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for _, layer in layers:
+            for value in layer.cache_state()[0].values():
+                out.write(value.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def drop(cache: PanelCache) -> None:
@@ -128,7 +144,8 @@ def drop(cache: PanelCache) -> None:
 
 
 def _quantized_layers(model: torch.nn.Module):
-    return ((name, module) for name, module in model.named_modules() if isinstance(module, QuantizedLinear))
+    """QuantizedLinear and Int8GemmLinear layers: each says what it keeps (cache_state) and takes it back."""
+    return ((name, module) for name, module in model.named_modules() if getattr(module, "is_quantized", False))
 
 
 def _stored_key(path: Path) -> dict | None:
