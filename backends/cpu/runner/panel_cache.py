@@ -71,25 +71,22 @@ def open_panel_cache(name: str, sources: list[Path], quantization: str, dtype: t
 
 
 def restore(cache: PanelCache, model: torch.nn.Module) -> None:
-    """Give the model's packed quantized layers (built from placeholders) their panels from the cache entry."""
-    from safetensors import SafetensorError, safe_open
-
+    """Give the model's packed quantized layers (built from placeholders) their tensors from the cache entry."""
     start = time.perf_counter()
     layers = dict(_quantized_layers(model))
     try:
-        with safe_open(str(cache.path), framework="pt") as entry:
-            stored = json.loads(entry.metadata()["layers"])
+        with open(cache.path, "rb") as entry:
+            header, data_start = _read_header(entry)
+            stored = json.loads(header["__metadata__"]["layers"])
             if stored.keys() != layers.keys():
                 raise StalePanels(f"it holds {len(stored)} quantized layers, the model has {len(layers)}")
             for name, layer in layers.items():
                 layout, values, tensor_names = stored[name]
                 if layout != layer.cache_layout():
                     raise StalePanels(f"layer {name} is {layout} there, {layer.cache_layout()} here")
-                # copied out of the file's mapping: the weights then live on memory huge_pages can collapse
-                tensors = {tensor: torch.empty_like(mapped).copy_(mapped) for tensor in tensor_names
-                           for mapped in [entry.get_tensor(f"{name}.{tensor}")]}
-                layer.restore_state(tensors, values)
-    except (OSError, KeyError, ValueError, SafetensorError) as exc:  # JSONDecodeError is a ValueError
+                layer.restore_state({tensor: _read_tensor(entry, header[f"{name}.{tensor}"], data_start)
+                                     for tensor in tensor_names}, values)
+    except (OSError, KeyError, ValueError, struct.error) as exc:  # JSONDecodeError is a ValueError
         raise StalePanels(f"unreadable ({exc})") from exc
     logger.info("quantized weights of %d layers read from %s in %.2f s (no conversion)", len(layers), cache.path,
                 time.perf_counter() - start)
@@ -150,13 +147,31 @@ def _quantized_layers(model: torch.nn.Module):
 
 def _stored_key(path: Path) -> dict | None:
     """The key an entry was made under (its header alone is read), or None."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as entry:
-            return json.loads(entry.metadata()["key"])
+        with open(path, "rb") as entry:
+            return json.loads(_read_header(entry)[0]["__metadata__"]["key"])
     except Exception:  # missing, half written by a crashed process, or not ours: as good as absent
         return None
+
+
+def _read_header(entry) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts."""
+    (size,) = struct.unpack("<Q", entry.read(8))
+    return json.loads(entry.read(size)), 8 + size
+
+
+def _read_tensor(entry, spec: dict, data_start: int) -> torch.Tensor:
+    """One tensor read into memory of its own (not a mapping of the file: its pages would count as the process's
+    memory beside the copy until the file is closed)."""
+    dtype = next(dtype for dtype, name in _SAFETENSORS_DTYPES.items() if name == spec["dtype"])
+    tensor = torch.empty(spec["shape"], dtype=dtype)
+    first, end = spec["data_offsets"]
+    if end - first != tensor.nbytes:
+        raise ValueError(f"{end - first} bytes for a {spec['dtype']} tensor of shape {spec['shape']}")
+    entry.seek(data_start + first)
+    if tensor.nbytes and entry.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data) != tensor.nbytes:
+        raise ValueError("the file ends early")
+    return tensor
 
 
 def _drop_orphans(folder: Path) -> None:
