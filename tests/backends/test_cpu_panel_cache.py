@@ -1,4 +1,4 @@
-"""The quantized panels kept on disk between starts (runner/panel_cache.py): what a later start reads back is what
+"""The quantized layers' weights kept on disk between starts (runner/panel_cache.py): what a later start reads back is
 the conversion made, bit for bit, for every format; a start with the same source and settings converts nothing and
 still equals transformers; a changed source, or an entry that does not fit, is converted again."""
 

@@ -28,7 +28,6 @@ from pagedllm.backends.cpu.runner.architectures import check_supported
 from pagedllm.backends.cpu.runner.huge_pages import weights_on_huge_pages
 from pagedllm.backends.cpu.runner import panel_cache
 from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
-from pagedllm.backends.cpu.runner.panel_cache import PanelCache, StalePanels, open_panel_cache
 from pagedllm.backends.cpu.runner.quantization import describe_quantized, quantize_linears
 from pagedllm.backends.cpu.runner.shard_loading import has_safetensors, meta_model_over_files, to_dtype
 from pagedllm.backends.cpu.runner.sharding import Rank, check_shardable, shard_model
@@ -84,10 +83,11 @@ class ModelRunner:
         self.kv_caches: list[tuple] = []
 
     def load(self) -> ModelInfo:
-        cache = open_panel_cache(*self._weight_sources(), self.quantization, self.dtype, self.rank, self.enable_lora)
+        cache = panel_cache.open_panel_cache(*self._weight_sources(), self.quantization, self.dtype, self.rank,
+                                             self.enable_lora)
         try:
             return self._load(cache)
-        except StalePanels as exc:
+        except panel_cache.StalePanels as exc:
             logger.warning("the cached quantized panels in %s do not fit this model (%s): converting it again",
                            cache.path, exc)
             panel_cache.drop(cache)
@@ -100,7 +100,7 @@ class ModelRunner:
         folder = Path(self.model_dir)
         return folder.name, sorted(path for path in folder.iterdir() if path.is_file())
 
-    def _load(self, cache: PanelCache) -> ModelInfo:
+    def _load(self, cache: panel_cache.PanelCache) -> ModelInfo:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if self.batch_invariant and self.kernels is None:

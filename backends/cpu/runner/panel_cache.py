@@ -33,10 +33,10 @@ from pagedllm.models.source import cache_dir
 logger = logging.getLogger("pagedllm.cpu")
 
 CACHED = ("gguf", "q4_0", "q8_0", "int8")
-# The modules whose code decides what the panels hold: a change to any of them makes new entries.
+# The modules whose code decides what an entry holds: a change to any of them makes new entries.
 CONVERSION_CODE = tuple(f"pagedllm.backends.cpu.{name}" for name in (
     "layers.quant_formats", "layers.quantized_linear", "layers.int8_gemm", "layers.fused_layers", "runner.gguf_loading",
-    "runner.quantization", "runner.sharding"))
+    "runner.quantization", "runner.sharding", "runner.panel_cache"))
 
 
 class StalePanels(Exception):
@@ -60,12 +60,12 @@ def open_panel_cache(name: str, sources: list[Path], quantization: str, dtype: t
     if quantization not in CACHED:
         return PanelCache(None, {}, False)
     dtype_name = str(dtype).removeprefix("torch.")
-    rank, world_size = (rank.rank, rank.world_size) if rank is not None else (0, 1)
+    ranks = [rank.rank, rank.world_size] if rank is not None else [0, 1]
     files = [str(path.resolve()) for path in sources]
-    key = {"sources": [[name, path.stat().st_size, path.stat().st_mtime_ns] for name, path in zip(files, sources)],
-           "quantization": quantization, "dtype": dtype_name, "rank": [rank, world_size], "lora": lora,
-           "code": _code_digest(), "torch": torch.__version__}
-    where = hashlib.sha256(json.dumps([files, quantization, dtype_name, rank, world_size]).encode()).hexdigest()[:16]
+    key = {"sources": [[file, path.stat().st_size, path.stat().st_mtime_ns] for file, path in zip(files, sources)],
+           "quantization": quantization, "dtype": dtype_name, "rank": ranks, "lora": lora, "code": _code_digest(),
+           "torch": torch.__version__}
+    where = hashlib.sha256(json.dumps([files, quantization, dtype_name, ranks]).encode()).hexdigest()[:16]
     path = cache_dir() / "panels" / f"{name}-{quantization}-{dtype_name}-{where}.safetensors"
     return PanelCache(path, key, _stored_key(path) == key)
 
