@@ -137,3 +137,33 @@ def test_int8_weights_come_back_packed_again(tiny_llama, prompts, monkeypatch, i
     assert packed.keys() == again.keys() and all(torch.equal(packed[name], again[name]) for name in packed)
     assert greedy(second, prompts, 6) == expected
 
+
+
+def test_a_ranks_gguf_placeholders_take_its_shares_panels(kernels, tmp_path):
+    """SmolLM2's GGUF at rank 1 of 2: the placeholders are sharded (each layer's rows or columns, the head's
+    vocabulary half) as the converted weights are, so a rank's entry fits them, and the packed layers take its
+    panels back bit for bit."""
+    from pagedllm.backends.cpu.layers.packed_linear import use_packed_linears
+    from pagedllm.backends.cpu.runner.gguf_loading import load_gguf_model
+    from pagedllm.backends.cpu.runner.sharding import Rank
+    from pagedllm.models.source import resolve_model
+
+    source = resolve_model(None)
+
+    def packed(placeholders: bool) -> torch.nn.Module:
+        model, _ = load_gguf_model(str(source.config_dir), source.path, torch.float32, "sdpa",
+                                   embedding_from_head=True, rank=Rank(1, 2), placeholders=placeholders)
+        use_packed_linears(model, kernels)
+        return model
+
+    converted = packed(placeholders=False)
+    cache = panel_cache.PanelCache(tmp_path / "rank1.safetensors", {"sources": [[str(source.path), 0, 0]]}, False)
+    panel_cache.store(cache, converted)
+    restored = packed(placeholders=True)
+    assert all(layer.values.is_meta for _, layer in panel_cache._quantized_layers(restored))
+    panel_cache.restore(cache, restored)
+    expected = {name: layer.cache_state() for name, layer in panel_cache._quantized_layers(converted)}
+    got = {name: layer.cache_state() for name, layer in panel_cache._quantized_layers(restored)}
+    assert expected.keys() == got.keys() and len(got) == 30 * 7 + 1  # unfused: every projection, and the head
+    for name, (tensors, values) in expected.items():
+        assert got[name][1] == values and all(torch.equal(got[name][0][t], tensors[t]) for t in tensors), name
