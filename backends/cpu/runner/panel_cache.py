@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.backends.cpu.runner.shard_loading import DTYPES, read_header
 from pagedllm.backends.cpu.runner.sharding import Rank
 from pagedllm.models.source import cache_dir
 
@@ -76,7 +77,7 @@ def restore(cache: PanelCache, model: torch.nn.Module) -> None:
     layers = dict(_quantized_layers(model))
     try:
         with open(cache.path, "rb") as entry:
-            header, data_start = _read_header(entry)
+            header, data_start = read_header(entry)
             stored = json.loads(header["__metadata__"]["layers"])
             if stored.keys() != layers.keys():
                 raise StalePanels(f"it holds {len(stored)} quantized layers, the model has {len(layers)}")
@@ -110,8 +111,7 @@ def store(cache: PanelCache, model: torch.nn.Module) -> None:
     _drop_orphans(cache.path.parent)
 
 
-_SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.float32: "F32"}
+_DTYPE_NAMES = {dtype: name for name, (dtype, _) in DTYPES.items()}  # for writing what shard_loading reads
 
 
 def _write_safetensors(path: Path, layers: list, metadata: dict) -> None:
@@ -123,7 +123,7 @@ def _write_safetensors(path: Path, layers: list, metadata: dict) -> None:
         state, values = layer.cache_state()
         layouts[name] = [layer.cache_layout(), values, list(state)]
         for tensor, value in state.items():
-            header[f"{name}.{tensor}"] = {"dtype": _SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
+            header[f"{name}.{tensor}"] = {"dtype": _DTYPE_NAMES[value.dtype], "shape": list(value.shape),
                                           "data_offsets": [offset, offset + value.nbytes]}
             offset += value.nbytes
     header["__metadata__"] = {**metadata, "layers": json.dumps(layouts)}
@@ -149,22 +149,15 @@ def _stored_key(path: Path) -> dict | None:
     """The key an entry was made under (its header alone is read), or None."""
     try:
         with open(path, "rb") as entry:
-            return json.loads(_read_header(entry)[0]["__metadata__"]["key"])
+            return json.loads(read_header(entry)[0]["__metadata__"]["key"])
     except Exception:  # missing, half written by a crashed process, or not ours: as good as absent
         return None
-
-
-def _read_header(entry) -> tuple[dict, int]:
-    """A safetensors file's header and where its data starts."""
-    (size,) = struct.unpack("<Q", entry.read(8))
-    return json.loads(entry.read(size)), 8 + size
 
 
 def _read_tensor(entry, spec: dict, data_start: int) -> torch.Tensor:
     """One tensor read into memory of its own (not a mapping of the file: its pages would count as the process's
     memory beside the copy until the file is closed)."""
-    dtype = next(dtype for dtype, name in _SAFETENSORS_DTYPES.items() if name == spec["dtype"])
-    tensor = torch.empty(spec["shape"], dtype=dtype)
+    tensor = torch.empty(spec["shape"], dtype=DTYPES[spec["dtype"]][0])
     first, end = spec["data_offsets"]
     if end - first != tensor.nbytes:
         raise ValueError(f"{end - first} bytes for a {spec['dtype']} tensor of shape {spec['shape']}")

@@ -19,9 +19,15 @@ import torch
 from pagedllm.errors import ModelNotFoundError
 
 # safetensors' dtype names, and numpy types of the same width to map their bytes through
-_DTYPES = {"BF16": (torch.bfloat16, np.int16), "F16": (torch.float16, np.float16), "F32": (torch.float32, np.float32),
+DTYPES = {"BF16": (torch.bfloat16, np.int16), "F16": (torch.float16, np.float16), "F32": (torch.float32, np.float32),
            "F64": (torch.float64, np.float64), "I64": (torch.int64, np.int64), "I32": (torch.int32, np.int32),
            "I8": (torch.int8, np.int8), "U8": (torch.uint8, np.uint8), "BOOL": (torch.bool, np.bool_)}
+
+
+def read_header(f) -> tuple[dict, int]:
+    """A safetensors file's header (its tensors and ``__metadata__``) and where its data starts."""
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(header_len)), 8 + header_len
 
 
 def has_safetensors(folder: str) -> bool:
@@ -35,10 +41,9 @@ class SafetensorsViews:
         self._where: dict[str, tuple[np.ndarray, dict]] = {}
         for path in sorted(Path(folder).glob("*.safetensors")):
             with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
+                header, data_start = read_header(f)
                 region = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, the file untouched
-            data = np.frombuffer(region, dtype=np.uint8, offset=8 + header_len)
+            data = np.frombuffer(region, dtype=np.uint8, offset=data_start)
             for name, info in header.items():
                 if name != "__metadata__":
                     self._where[name] = (data, info)
@@ -48,9 +53,9 @@ class SafetensorsViews:
 
     def tensor(self, name: str) -> torch.Tensor:
         data, info = self._where[name]
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in DTYPES:
             raise ModelNotFoundError(f"tensor {name}: safetensors dtype {info['dtype']} is not one pagedllm reads")
-        dtype, np_type = _DTYPES[info["dtype"]]
+        dtype, np_type = DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         raw = data[start:end].view(np_type)
         return torch.from_numpy(raw).view(dtype).reshape(info["shape"])
