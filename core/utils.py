@@ -22,21 +22,34 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
-def skip_unused_sklearn_import() -> None:
-    """Keep transformers' model classes from importing scikit-learn, which nncf (the openvino backend's weight
-    compressor) installs: transformers uses it only for assisted generation's adaptive confidence threshold, which
-    pagedllm never runs, and the import is a large share of every start-up. Call before the model classes are first
-    imported; later calls do nothing."""
-    if "transformers.generation.candidate_generator" in sys.modules:
+#: transformers' modules that import a package pagedllm never uses when told it is there, and the answer they keep.
+_UNUSED_IMPORTS = {
+    # scikit-learn (nncf installs it): assisted generation's adaptive confidence threshold
+    "transformers.generation.candidate_generator": "is_sklearn_available",
+    # scipy: the object-detection losses' matching, imported by every model class
+    "transformers.loss.loss_utils": "is_scipy_available",
+}
+
+
+def skip_unused_imports() -> None:
+    """Keep transformers' model classes from importing scikit-learn and scipy for features pagedllm never runs (see
+    ``_UNUSED_IMPORTS``): the imports are a large share of every start-up. Call before the model classes are first
+    imported; later calls do nothing, and transformers still answers the truth to anyone who asks afterwards."""
+    if all(module in sys.modules for module in _UNUSED_IMPORTS):
         return
+    import importlib
+
     import transformers.utils
 
-    available = transformers.utils.is_sklearn_available
-    transformers.utils.is_sklearn_available = lambda: False
+    answers = {name: getattr(transformers.utils, name) for name in _UNUSED_IMPORTS.values()}
+    for name in answers:
+        setattr(transformers.utils, name, lambda: False)
     try:
-        import transformers.generation.candidate_generator  # noqa: F401  (the one module that keeps the answer)
+        for module in _UNUSED_IMPORTS:  # each module keeps the answer it read
+            importlib.import_module(module)
     finally:
-        transformers.utils.is_sklearn_available = available
+        for name, answer in answers.items():
+            setattr(transformers.utils, name, answer)
 
 
 def freeze_startup_heap() -> None:

@@ -157,15 +157,17 @@ def test_start_up_runs_one_short_prompt_and_leaves_the_engine_untouched(tiny_lla
     assert stats.steps == 0 and stats.prompt_tokens == 0 and stats.kv_blocks_used == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn is not installed here")
-def test_building_a_model_leaves_scikit_learn_unimported(tiny_llama, tmp_path):
-    """nncf installs scikit-learn; transformers' model classes would import it for a feature pagedllm never runs
-    (utils.skip_unused_sklearn_import). The check runs in a fresh interpreter, where nothing imported it before."""
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None or importlib.util.find_spec("scipy") is None,
+                    reason="scikit-learn or scipy is not installed here")
+def test_building_a_model_leaves_scikit_learn_and_scipy_unimported(tiny_llama, tmp_path):
+    """nncf installs scikit-learn and scipy; transformers' model classes would import them for features pagedllm
+    never runs (utils.skip_unused_imports). The check runs in a fresh interpreter, where nothing imported them."""
     code = ("import sys, transformers.utils; from pagedllm import LLM, SamplingParams; "
             f"llm = LLM({str(tiny_llama)!r}, dtype='float32', max_model_len=128, kv_cache_space=0.01); "
             "llm.generate(['Hi'], SamplingParams(max_tokens=2)); "
-            "print('sklearn' in sys.modules, transformers.utils.is_sklearn_available())")
+            "print('sklearn' in sys.modules, 'scipy' in sys.modules, transformers.utils.is_sklearn_available(), "
+            "transformers.utils.is_scipy_available())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     # not imported, and transformers still answers the truth to anyone else who asks
-    assert result.stdout.split()[-2:] == ["False", "True"]
+    assert result.stdout.split()[-4:] == ["False", "False", "True", "True"]

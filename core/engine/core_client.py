@@ -22,7 +22,7 @@ from typing import Protocol
 from pagedllm import errors
 from pagedllm.config import EngineArgs
 from pagedllm.engine.messages import CoreExited, Failed, Ready, Shutdown, Start
-from pagedllm.utils import module_command, skip_unused_sklearn_import
+from pagedllm.utils import module_command, skip_unused_imports
 
 logger = logging.getLogger("pagedllm.engine.core_client")
 
@@ -213,7 +213,7 @@ def place_front_end(core_cpus, where: str) -> None:
 
 def _import_tokenizer_modules() -> None:
     try:
-        skip_unused_sklearn_import()  # the tokenizer classes pull in the model classes' imports
+        skip_unused_imports()  # the tokenizer classes pull in the model classes' imports
         from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
     except Exception:  # loading the tokenizer later says what is wrong
         pass

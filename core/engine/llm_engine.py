@@ -44,7 +44,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.batch_builder import BatchBuilder, PromptLogprobRows, ProposalRows
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.sched.speculation import SpeculativeConfig
-from pagedllm.utils import cdiv, skip_unused_sklearn_import
+from pagedllm.utils import cdiv, skip_unused_imports
 
 logger = logging.getLogger("pagedllm.engine.llm_engine")
 
@@ -92,7 +92,7 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs | None = None, serving: bool = False) -> "LLMEngine":
         configure_logging()
         start = time.time()
-        skip_unused_sklearn_import()
+        skip_unused_imports()
         args = args or EngineArgs()
         backend_name = resolve_backend_name(args)
         backend_cls = get_backend_class(backend_name)

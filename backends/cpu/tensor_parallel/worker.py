@@ -31,7 +31,7 @@ from pagedllm.backends.cpu.runner.sharding import Rank, parameter_bytes
 from pagedllm.backends.cpu.runner.threads import ThreadBinder
 from pagedllm.backends.cpu.tensor_parallel import wire
 from pagedllm.logger import configure_logging
-from pagedllm.utils import freeze_startup_heap, skip_unused_sklearn_import
+from pagedllm.utils import freeze_startup_heap, skip_unused_imports
 
 logger = logging.getLogger("pagedllm.cpu")
 # Collectives inside a step wait only for the other ranks' share of the same work; this bounds a rank that is
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops the ranks
     spec = json.loads(argv[1])
     _prefix_logs(spec["rank"])
-    skip_unused_sklearn_import()
+    skip_unused_imports()
     worker = None
     try:
         worker = Worker(spec)
