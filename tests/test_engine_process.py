@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from pagedllm import LLM, InvalidRequestError, SamplingParams
-from pagedllm.entrypoints.cli import main
 
 PROMPTS = ["Paris is the capital of", "The quick brown fox", "A paged KV cache"]
 
@@ -92,12 +91,18 @@ def test_a_refused_request_raises_and_the_core_keeps_serving(llms):
     assert greedy_texts(split) == greedy_texts(local)
 
 
-def test_the_generate_command_streams_through_a_core_process(tiny_llama, capsys):
-    assert main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--max-model-len", "64",
-                 "--kv-cache-space", "0.01", "--max-tokens", "5", "--no-chat", "--engine-process", "Paris"]) == 0
+def test_the_generate_command_streams_through_a_core_process_and_freezes_its_heap(tiny_llama):
+    """The command's process lives as long as its engine, so it freezes what start-up made (its exit then skips
+    collecting it), as the server does."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", str(tiny_llama), "--dtype", "float32",
+         "--max-model-len", "64", "--kv-cache-space", "0.01", "--max-tokens", "5", "--no-chat", "--engine-process",
+         "Paris"], capture_output=True, text=True, timeout=300, env={**os.environ, "PAGEDLLM_LOGGING_LEVEL": "DEBUG"})
+    assert proc.returncode == 0, proc.stderr
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, kv_cache_space=0.01)
     expected = llm.generate("Paris", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].text
-    assert capsys.readouterr().out == expected + "\n"
+    assert proc.stdout == expected + "\n"
+    assert proc.stderr.count("start-up heap frozen") == 2  # the engine core's, and the command's own
 
 
 def test_the_core_dying_is_an_error_not_a_hang(tiny_llama):
@@ -128,8 +133,8 @@ def test_a_request_id_can_be_reused_right_after_its_abort(llms):
 
 def test_only_processes_pagedllm_owns_freeze_their_startup_heap(llms):
     """freeze_startup_heap collects the garbage before it freezes the rest (that the server and its core call it:
-    test_engine_process_server.py); an engine in the caller's process leaves its heap alone (what is frozen is never
-    freed)."""
+    test_engine_process_server.py; the generate command: above); an engine in the caller's process leaves its heap
+    alone (what is frozen is never freed)."""
     assert gc.get_freeze_count() == 0  # this process holds an in-process engine, and started a core process
     code = ("import gc, weakref\n"
             "from pagedllm.utils import freeze_startup_heap\n"

@@ -32,6 +32,7 @@ def _add_generate(sub) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm import LLM
     from pagedllm.sampling_params import SamplingParams
+    from pagedllm.utils import freeze_startup_heap
 
     prompts = list(args.prompts)
     if prompts == ["-"]:
@@ -43,6 +44,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     llm = LLM(**vars(from_cli_args(args)), engine_process=args.engine_process)
+    freeze_startup_heap()  # this process lives as long as its engine: its exit need not collect what start-up made
     chat = args.chat if args.chat is not None else bool(getattr(llm.tokenizer, "chat_template", None))
     if chat:
         inputs = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
