@@ -138,7 +138,6 @@ def test_int8_weights_come_back_packed_again(tiny_llama, prompts, monkeypatch, i
     assert greedy(second, prompts, 6) == expected
 
 
-
 def test_a_ranks_gguf_placeholders_take_its_shares_panels(kernels, tmp_path):
     """SmolLM2's GGUF at rank 1 of 2: the placeholders are sharded (each layer's rows or columns, the head's
     vocabulary half) as the converted weights are, so a rank's entry fits them, and the packed layers take its
